@@ -1,0 +1,165 @@
+"""Public gated-delta ops: route to fla's Triton kernels on CUDA when fla imports, else the PyTorch chunked path.
+
+Routing is decided per call by :func:`wants_fla` (a module attribute, so tests can replace it to exercise the
+fla route on CPU with a fake ``fla`` package) and :func:`load_fla` (lazy, cached import; :func:`reset_fla_cache`
+clears it). Inputs are validated here first, whichever route runs, so a contract violation is always a
+``ValueError`` from packfree, never a Triton assertion.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from packfree_plugin.ops.gated_delta.chunk import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
+
+__all__ = ["chunk_gated_delta_rule", "chunk_kda", "wants_fla", "load_fla", "reset_fla_cache"]
+
+_FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _default_wants_fla(q: torch.Tensor) -> bool:
+    # fla's chunk kernels are Triton (CUDA) and refuse float32 for GDN; float32/float64 take the torch path.
+    return q.is_cuda and q.dtype in _FLA_DTYPES
+
+
+#: Predicate ``(q) -> bool``: should this call go to fla (if fla imports)? Replaceable for tests.
+wants_fla: Callable[[torch.Tensor], bool] = _default_wants_fla
+
+
+@functools.cache
+def load_fla(name: str) -> Callable | None:
+    """``"gated_delta_rule"`` -> ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``"kda"`` ->
+    ``fla.ops.kda.chunk_kda``; None when fla (or that op) does not import. Cached."""
+    try:
+        if name == "gated_delta_rule":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        elif name == "kda":
+            from fla.ops.kda import chunk_kda as fn
+        else:
+            raise ValueError(f"unknown fla op {name!r}")
+    except ImportError:
+        return None
+    return fn
+
+
+def reset_fla_cache() -> None:
+    load_fla.cache_clear()
+
+
+def _fla_for(name: str, q: torch.Tensor) -> Callable | None:
+    return load_fla(name) if wants_fla(q) else None
+
+
+def _fla_cu_seqlens(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    return None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boundary-aware Gated DeltaNet (Qwen3-Next / Qwen3.5), fla's ``chunk_gated_delta_rule`` contract.
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]`` (same dtype as q).
+        g: ``[B, T, H]`` log decay. beta: ``[B, T, H]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or None (zeros).
+        output_final_state: also return the final state ``[N, H, K, V]``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
+            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
+            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+
+    Returns:
+        ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
+
+    Raises:
+        ValueError: on any shape/dtype/device/cu_seqlens contract violation.
+
+    Routes to ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (cu_seqlens as int32, B == 1) for CUDA
+    bf16/fp16 inputs when fla imports; otherwise runs :func:`chunk_gated_delta_rule_torch`.
+    """
+    fla_fn = _fla_for("gated_delta_rule", q)
+    if fla_fn is None:
+        return chunk_gated_delta_rule_torch(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        )
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False)
+    return fla_fn(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=_fla_cu_seqlens(cu_seqlens),
+    )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boundary-aware Kimi Delta Attention (per-channel decay), fla's ``chunk_kda`` contract.
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]`` (same dtype as q).
+        g: ``[B, T, H, K]`` log decay, or the raw gate input when ``use_gate_in_kernel``.
+        beta: ``[B, T, H]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or None (zeros).
+        output_final_state: also return the final state ``[N, H, K, V]``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
+        use_gate_in_kernel: decay = ``-exp(A_log[h]) * softplus(g + dt_bias)``; ``A_log [H]`` required,
+            ``dt_bias [H*K]`` optional.
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
+            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
+            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+
+    Returns:
+        ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
+
+    Raises:
+        ValueError: on any shape/dtype/device/cu_seqlens contract violation.
+
+    Routes to ``fla.ops.kda.chunk_kda`` (cu_seqlens as int32, B == 1, initial_state as float32, which fla
+    requires) for CUDA bf16/fp16 inputs when fla imports; otherwise runs :func:`chunk_kda_torch`.
+    """
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True requires A_log")
+    fla_fn = _fla_for("kda", q)
+    if fla_fn is None:
+        return chunk_kda_torch(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+        )
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True)
+    extra = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
+    return fla_fn(
+        q, k, v, g, beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=_fla_cu_seqlens(cu_seqlens), **extra,
+    )

@@ -1,0 +1,208 @@
+"""Sample-boundary bookkeeping shared by the recurrent-op families (linear attention, gated delta, LRU).
+
+Private helper. It lives here until ``packfree_plugin/ops/_seq.py`` (owned by another engineer) offers the
+same validation; then the checks below should call into it instead of duplicating them.
+
+The ``cu_seqlens`` contract, reused verbatim by every op docstring in these folders:
+
+    cu_seqlens: ``[N+1]`` int32 or int64 cumulative sample offsets on the data's device, starting at 0,
+        non-decreasing, ending at ``T``. With it the batch dimension ``B`` must be 1 (one flattened row);
+        ``N`` is the number of samples, ``T`` the total number of tokens. Sample ``i`` is
+        ``x[:, cu_seqlens[i]:cu_seqlens[i+1]]`` and starts from its own initial state (zero, or
+        ``initial_state[i]``). Empty samples are allowed; their final state is their initial state.
+
+The chunked paths use one layout for all samples at once (:class:`ChunkLayout`): every sample is cut into
+chunks of ``C`` tokens that start on a sample start (the last chunk of a sample is zero-padded), and the
+chunks are stored *step-major*: first chunk 0 of every sample, then chunk 1 of every sample that has one,
+and so on, with samples ordered longest first. The inter-chunk recurrence then loops over chunk *steps*
+(``ceil(max_len / C)`` iterations, never more than the unsplit sequence needs) and step ``j`` touches one
+contiguous slice of chunks, one per still-active sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+CU_SEQLENS_DOC = """cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
+        ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts from its
+        own initial state. ``None``: every batch row is one sample (``N == B``)."""
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def host_offsets(cu_seqlens: torch.Tensor, *, batch: int, total: int, device: torch.device) -> tuple[int, ...]:
+    """Validate ``cu_seqlens`` for a ``[batch, total, ...]`` input and return its offsets as Python ints.
+
+    Raises ValueError naming the offending values. This is the one device-to-host sync of an op call.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in _INT_DTYPES:
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the data is on {device}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (one flattened row), got B={batch}")
+    offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]} (cu_seqlens={_short(offsets)})")
+    bad = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
+    if bad:
+        i = bad[0]
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}]={offsets[i - 1]} > "
+            f"cu_seqlens[{i}]={offsets[i]} (cu_seqlens={_short(offsets)})"
+        )
+    if offsets[-1] != total:
+        raise ValueError(f"cu_seqlens must end at T={total}, got {offsets[-1]} (cu_seqlens={_short(offsets)})")
+    return offsets
+
+
+def row_offsets(batch: int, length: int) -> tuple[int, ...]:
+    """Offsets that make each of ``batch`` rows of ``length`` tokens one sample (used when cu_seqlens is None)."""
+    return tuple(i * length for i in range(batch + 1))
+
+
+def _short(offsets: tuple[int, ...], limit: int = 12) -> str:
+    if len(offsets) <= limit:
+        return str(list(offsets))
+    return f"[{', '.join(map(str, offsets[:limit]))}, ... ({len(offsets)} values)]"
+
+
+def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q/a is on {device}")
+
+
+def check_floating(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """All chunks of all samples, step-major (see module docstring).
+
+    Attributes:
+        chunk: chunk size ``C``.
+        num_samples: ``N``.
+        num_tokens: ``T``.
+        num_chunks: ``M`` (sum over samples of ``ceil(len_i / C)``).
+        active: ``active[j]`` = number of samples with more than ``j`` chunks (non-increasing).
+        step_start: first chunk index of step ``j`` (exclusive prefix sum of ``active``).
+        rank_to_sample: ``[N]`` long, sample id of rank ``r`` (longest first).
+        sample_to_rank: ``[N]`` long, inverse permutation.
+        gather: ``[M*C]`` long token index for every padded slot (``T`` for padding slots).
+        scatter: ``[T]`` long padded slot of every token.
+    """
+
+    chunk: int
+    num_samples: int
+    num_tokens: int
+    num_chunks: int
+    active: tuple[int, ...]
+    step_start: tuple[int, ...]
+    rank_to_sample: torch.Tensor
+    sample_to_rank: torch.Tensor
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` -> ``[M, C, ...]``, zero in padding slots."""
+        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
+        return padded.index_select(0, self.gather).view(self.num_chunks, self.chunk, *x.shape[1:])
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """``[M, C, ...]`` -> ``[T, ...]`` (drops padding slots)."""
+        return y.reshape(self.num_chunks * self.chunk, *y.shape[2:]).index_select(0, self.scatter)
+
+    def to_rank_order(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """``[N, ...]`` in sample order -> rank order."""
+        return per_sample.index_select(0, self.rank_to_sample)
+
+    def to_sample_order(self, per_rank: torch.Tensor) -> torch.Tensor:
+        """``[N, ...]`` in rank order -> sample order."""
+        return per_rank.index_select(0, self.sample_to_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_layout(offsets: tuple[int, ...], chunk: int, device: torch.device) -> ChunkLayout:
+    """Build (and cache: every layer of a model reuses it) the step-major chunk layout for ``offsets``."""
+    cu = torch.tensor(offsets, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    n = len(offsets) - 1
+    total = offsets[-1]
+    nchunks = (lens + chunk - 1) // chunk
+    rank_to_sample = torch.sort(nchunks, descending=True, stable=True).indices
+    sample_to_rank = torch.empty_like(rank_to_sample)
+    sample_to_rank[rank_to_sample] = torch.arange(n)
+    max_steps = int(nchunks.max()) if n else 0
+    # active[j] = #{i : nchunks_i > j}
+    counts = torch.bincount(nchunks, minlength=max_steps + 1)
+    active = n - torch.cumsum(counts, 0)[:max_steps]
+    step_start = torch.cumsum(active, 0) - active
+    m = int(active.sum())
+    # For every chunk slot m: its step j and rank r, hence its sample and first token.
+    step_of = torch.repeat_interleave(torch.arange(max_steps), active)
+    rank_of = torch.arange(m) - step_start[step_of]
+    sample_of = rank_to_sample[rank_of]
+    first = cu[sample_of] + step_of * chunk
+    valid_len = torch.clamp(lens[sample_of] - step_of * chunk, max=chunk)
+    pos = torch.arange(chunk)
+    valid = pos[None, :] < valid_len[:, None]
+    gather = torch.where(valid, first[:, None] + pos[None, :], torch.full_like(valid_len[:, None], total))
+    scatter = torch.empty(total, dtype=torch.long)
+    scatter[gather[valid]] = torch.arange(m * chunk).view(m, chunk)[valid]
+    return ChunkLayout(
+        chunk=chunk,
+        num_samples=n,
+        num_tokens=total,
+        num_chunks=m,
+        active=tuple(int(a) for a in active),
+        step_start=tuple(int(s) for s in step_start),
+        rank_to_sample=rank_to_sample.to(device),
+        sample_to_rank=sample_to_rank.to(device),
+        gather=gather.reshape(-1).to(device),
+        scatter=scatter.to(device),
+    )
+
+
+def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step) -> tuple[list, torch.Tensor]:
+    """Drive the inter-chunk recurrence over the layout.
+
+    Args:
+        state: ``[N, ...]`` initial states in rank order.
+        step: ``step(state [a, ...], chunks: slice) -> (new_state [a, ...], extra)`` for the ``a`` active
+            samples whose chunks occupy ``chunks``; ``extra`` (anything) is collected per step.
+
+    Returns:
+        (extras per step, final states ``[N, ...]`` in rank order).
+    """
+    finished: list[torch.Tensor] = []
+    extras: list = []
+    n = layout.num_samples
+    first_active = layout.active[0] if layout.active else 0
+    if first_active < n:
+        finished.append(state[first_active:])
+    state = state[:first_active]
+    for j, (start, a) in enumerate(zip(layout.step_start, layout.active)):
+        state, extra = step(state, slice(start, start + a))
+        extras.append(extra)
+        nxt = layout.active[j + 1] if j + 1 < len(layout.active) else 0
+        if nxt < a:
+            finished.append(state[nxt:])
+            state = state[:nxt]
+    finished.reverse()
+    return extras, torch.cat(finished, dim=0)

@@ -1,0 +1,139 @@
+"""Chunked, boundary-aware decay-gated linear attention in pure PyTorch (any device, autograd).
+
+Recurrence (per sample, per head; ``S`` is ``[K, V]``; ``lam_t = g_t + g_gamma`` is a scalar log decay)::
+
+    S_t = exp(lam_t) S_{t-1} + k_t v_t^T
+    o_t = S_t^T (scale * q_t)
+
+This is MiniMax's lightning attention (``g_gamma = -slope_h`` per head, ``scale = 1``), fla's
+``chunk_simple_gla`` (scalar data-dependent gate ``g``), RetNet-style constant decay, and plain causal linear
+attention (no decay). Chunk form (``G_r`` = in-chunk cumulative log decay, all exponents <= 0)::
+
+    o = (q * exp(G)) S0 + (q k^T * exp(G_r - G_s) [s <= r]) v
+    S_C = exp(G_last) S0 + (k * exp(G_last - G))^T v
+
+Boundaries as in the gated delta family: chunks start on sample starts, the intra-chunk part runs for every
+chunk of every sample at once, the state recurrence loops over chunk steps with per-sample reset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from packfree_plugin.ops.linear_attention._varlen import (
+    check_floating,
+    check_same_device,
+    chunk_layout,
+    compute_dtype,
+    host_offsets,
+    row_offsets,
+    run_chunk_steps,
+)
+
+__all__ = ["chunk_linear_attention"]
+
+
+def _validate(q, k, v, g, g_gamma, initial_state, cu_seqlens):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_floating(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    V = v.shape[-1]
+    if g is not None and tuple(g.shape) != (B, T, H):
+        raise ValueError(f"g must have shape {[B, T, H]}, got {tuple(g.shape)}")
+    if g_gamma is not None and tuple(g_gamma.shape) != (H,):
+        raise ValueError(f"g_gamma must have shape [H] = [{H}], got {tuple(g_gamma.shape)}")
+    check_same_device(q.device, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state)
+    if cu_seqlens is not None:
+        offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device)
+    else:
+        offsets = row_offsets(B, T)
+    N = len(offsets) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(
+            f"initial_state must have shape [N, H, K, V] = {[N, H, K, V]} (N = number of samples), "
+            f"got {tuple(initial_state.shape)}"
+        )
+    return offsets, (B, T, H, K, V)
+
+
+def chunk_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decay-gated causal linear attention with per-sample state reset (fla ``chunk_simple_gla`` semantics).
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, H, V]`` (same dtype as q).
+        g: ``[B, T, H]`` data-dependent log decay, or None.
+        g_gamma: ``[H]`` constant per-head log decay added to ``g`` (MiniMax: ``-slope_rate``), or None.
+        scale: query scale, default ``K ** -0.5`` (MiniMax uses 1.0).
+        initial_state: ``[N, H, K, V]`` or None (zeros).
+        output_final_state: also return the final state ``[N, H, K, V]`` (float32, float64 for float64 input).
+        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
+            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
+            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
+
+    Raises:
+        ValueError: on any shape/dtype/device/cu_seqlens contract violation.
+    """
+    offsets, (B, T, H, K, V) = _validate(q, k, v, g, g_gamma, initial_state, cu_seqlens)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    scale = K**-0.5 if scale is None else scale
+    cdt = compute_dtype(q.dtype)
+    layout = chunk_layout(offsets, chunk_size, q.device)
+    N, C = layout.num_samples, chunk_size
+
+    def packed(x):  # [B, T, ...] -> [M, H, C, ...] in compute dtype
+        return layout.pack(x.reshape(B * T, *x.shape[2:]).to(cdt)).transpose(1, 2)
+
+    qc, kc, vc = packed(q) * scale, packed(k), packed(v)
+    M = layout.num_chunks
+    lam = packed(g) if g is not None else qc.new_zeros(M, H, C)
+    if g_gamma is not None:
+        # Constant decay applies to real tokens only: padding slots must not decay the carried state.
+        real = layout.pack(torch.ones(B * T, 1, dtype=cdt, device=q.device)).view(M, 1, C)
+        lam = lam + g_gamma.to(cdt).view(1, H, 1) * real
+    G = lam.cumsum(dim=-1)  # [M, H, C]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")))
+    o_intra = ((qc @ kc.transpose(-1, -2)) * decay) @ vc
+    last = G[..., -1:]
+    dS = (kc * torch.exp(last - G)[..., None]).transpose(-1, -2) @ vc  # [M, H, K, V]
+    decay_last = torch.exp(last)[..., None]  # [M, H, 1, 1]
+
+    def step(S, sl):
+        return S * decay_last[sl] + dS[sl], S
+
+    h0 = qc.new_zeros(N, H, K, V) if initial_state is None else layout.to_rank_order(initial_state.to(cdt))
+    extras, final = run_chunk_steps(layout, h0, step)
+    if extras:
+        h_before = torch.cat(extras, dim=0)
+        o = (qc * torch.exp(G)[..., None]) @ h_before + o_intra
+    else:
+        o = o_intra
+    o = layout.unpack(o.transpose(1, 2)).view(B, T, H, V).to(q.dtype)
+    return o, (layout.to_sample_order(final) if output_final_state else None)
