@@ -1,56 +1,32 @@
-"""Public gated-delta ops: route to fla's Triton kernels on CUDA when fla imports, else the PyTorch chunked path.
+"""Public gated-delta ops: fla's Triton kernels on CUDA when fla imports, else the PyTorch chunked path.
 
-Routing is decided per call by :func:`wants_fla` (a module attribute, so tests can replace it to exercise the
-fla route on CPU with a fake ``fla`` package) and :func:`load_fla` (lazy, cached import; :func:`reset_fla_cache`
-clears it). Inputs are validated here first, whichever route runs, so a contract violation is always a
-``ValueError`` from packfree, never a Triton assertion.
+Routing goes through the project's shared ``ops._dispatch`` (``on_cuda`` predicate, cached lazy
+``load_kernel``), so tests exercise the fla route on CPU by monkeypatching ``_dispatch.on_cuda`` and putting a
+fake ``fla`` in ``sys.modules`` (then ``load_kernel.cache_clear()``). Inputs are validated here first,
+whichever route runs, so a contract violation is always a ``ValueError`` from packfree, never a Triton
+assertion.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 
+from packfree_plugin.ops._dispatch import Backend, pick_kernel
 from packfree_plugin.ops.gated_delta.chunk import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
 
-__all__ = ["chunk_gated_delta_rule", "chunk_kda", "wants_fla", "load_fla", "reset_fla_cache"]
+__all__ = ["chunk_gated_delta_rule", "chunk_kda"]
 
+FLA_GDN = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+FLA_KDA = ("fla.ops.kda", "chunk_kda")
+# fla's chunk kernels refuse float32 (GDN asserts it); float32/float64 take the torch path under "auto".
 _FLA_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _default_wants_fla(q: torch.Tensor) -> bool:
-    # fla's chunk kernels are Triton (CUDA) and refuse float32 for GDN; float32/float64 take the torch path.
-    return q.is_cuda and q.dtype in _FLA_DTYPES
-
-
-#: Predicate ``(q) -> bool``: should this call go to fla (if fla imports)? Replaceable for tests.
-wants_fla: Callable[[torch.Tensor], bool] = _default_wants_fla
-
-
-@functools.cache
-def load_fla(name: str) -> Callable | None:
-    """``"gated_delta_rule"`` -> ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``"kda"`` ->
-    ``fla.ops.kda.chunk_kda``; None when fla (or that op) does not import. Cached."""
-    try:
-        if name == "gated_delta_rule":
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
-        elif name == "kda":
-            from fla.ops.kda import chunk_kda as fn
-        else:
-            raise ValueError(f"unknown fla op {name!r}")
-    except ImportError:
+def _pick(backend: Backend, q: torch.Tensor, target: tuple[str, str]):
+    kernel = pick_kernel(backend, q, *target)
+    if kernel is not None and backend == "auto" and q.dtype not in _FLA_DTYPES:
         return None
-    return fn
-
-
-def reset_fla_cache() -> None:
-    load_fla.cache_clear()
-
-
-def _fla_for(name: str, q: torch.Tensor) -> Callable | None:
-    return load_fla(name) if wants_fla(q) else None
+    return kernel
 
 
 def _fla_cu_seqlens(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
@@ -69,6 +45,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boundary-aware Gated DeltaNet (Qwen3-Next / Qwen3.5), fla's ``chunk_gated_delta_rule`` contract.
 
@@ -82,6 +59,8 @@ def chunk_gated_delta_rule(
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
             ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
             from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
+            ``"kernel"`` (force fla; ValueError if it does not import).
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
@@ -89,10 +68,10 @@ def chunk_gated_delta_rule(
     Raises:
         ValueError: on any shape/dtype/device/cu_seqlens contract violation.
 
-    Routes to ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (cu_seqlens as int32, B == 1) for CUDA
-    bf16/fp16 inputs when fla imports; otherwise runs :func:`chunk_gated_delta_rule_torch`.
+    The fla route receives cu_seqlens as int32 on the data's device (B == 1); the torch route is
+    :func:`chunk_gated_delta_rule_torch`.
     """
-    fla_fn = _fla_for("gated_delta_rule", q)
+    fla_fn = _pick(backend, q, FLA_GDN)
     if fla_fn is None:
         return chunk_gated_delta_rule_torch(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -120,6 +99,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boundary-aware Kimi Delta Attention (per-channel decay), fla's ``chunk_kda`` contract.
 
@@ -136,6 +116,8 @@ def chunk_kda(
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
             ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
             from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
+            ``"kernel"`` (force fla; ValueError if it does not import).
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
@@ -143,12 +125,12 @@ def chunk_kda(
     Raises:
         ValueError: on any shape/dtype/device/cu_seqlens contract violation.
 
-    Routes to ``fla.ops.kda.chunk_kda`` (cu_seqlens as int32, B == 1, initial_state as float32, which fla
-    requires) for CUDA bf16/fp16 inputs when fla imports; otherwise runs :func:`chunk_kda_torch`.
+    The fla route receives cu_seqlens as int32 on the data's device (B == 1) and initial_state as float32
+    (fla requires it); the torch route is :func:`chunk_kda_torch`.
     """
     if use_gate_in_kernel and A_log is None:
         raise ValueError("use_gate_in_kernel=True requires A_log")
-    fla_fn = _fla_for("kda", q)
+    fla_fn = _pick(backend, q, FLA_KDA)
     if fla_fn is None:
         return chunk_kda_torch(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
