@@ -1,0 +1,137 @@
+"""The model hook: build this forward's :class:`Boundaries` once and hand it to every layer.
+
+A forward pre-hook on each ``PreTrainedModel`` in the tree reads the call's boundary inputs
+(``cu_seq_lens_*``, ``seq_idx``, ``position_ids``, ``attention_mask``), builds one ``Boundaries`` and
+passes it down twice: as the ``packfree_boundaries`` keyword, which transformers forwards through its
+``**kwargs`` to every decoder layer and attention call (and which gradient checkpointing saves with the
+layer's inputs), and through :data:`~packfree_plugin.attention.active_boundaries`, which the mask function
+turns into the ``attention_mask`` every attention layer receives. Nested models reuse the outer
+model's object.
+
+Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
+filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
+(the model returns no cache) and refuses a cache object passed in explicitly. Once a cache holds
+tokens (decoding), a packed batch is refused and unpacked calls follow transformers' own masks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..attention import active_boundaries
+from ..boundaries import Boundaries
+
+__all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
+
+_HANDLES_ATTR = "_packfree_model_hook_handles"
+_TOKENS_ATTR = "_packfree_context_tokens"
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+@cache
+def _forward_parameters(cls: type) -> tuple[inspect.Signature, bool]:
+    """Signature of ``cls.forward`` and whether it takes ``**kwargs``."""
+    signature = inspect.signature(cls.forward)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    return signature, takes_kwargs
+
+
+def _cache_holds_tokens(past: Any) -> bool:
+    if past is None:
+        return False
+    try:
+        return past.get_seq_length() > 0
+    except (AttributeError, ValueError, TypeError, IndexError):
+        return bool(getattr(past, "has_previous_state", False))
+
+
+def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
+    """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding."""
+    tokens = arguments.get("input_ids")
+    if tokens is None:
+        tokens = arguments.get("inputs_embeds")
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
+        return None
+    batch_size, seq_len = tokens.shape[0], tokens.shape[1]
+    past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
+    if _cache_holds_tokens(past):
+        given = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
+        if given:
+            raise ValueError(
+                f"a packed batch ({', '.join(given)}) was passed together with a cache that already holds tokens; "
+                "packed rows cannot continue a cached sequence"
+            )
+        return None
+    attention_mask = arguments.get("attention_mask")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
+        return None  # a prepared 4-D mask is the caller's own: transformers uses it as is
+    boundaries = Boundaries.from_model_inputs(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        device=tokens.device,
+        cu_seq_lens_q=arguments.get("cu_seq_lens_q"),
+        cu_seq_lens_k=arguments.get("cu_seq_lens_k"),
+        max_length_q=arguments.get("max_length_q"),
+        max_length_k=arguments.get("max_length_k"),
+        seq_idx=arguments.get("seq_idx"),
+        position_ids=arguments.get("position_ids"),
+        attention_mask=attention_mask,
+    )
+    if boundaries.is_packed and past is not None:
+        raise ValueError(
+            "a cache object was passed with a packed batch; a cache built from a packed row would mix samples. "
+            "Call the model without `cache`/`past_key_values` for packed rows"
+        )
+    return boundaries
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    signature, takes_kwargs = _forward_parameters(type(module))
+    boundaries = kwargs.get("packfree_boundaries")
+    if boundaries is None:
+        bound = signature.bind_partial(module, *args, **kwargs).arguments
+        arguments = {**bound.pop("kwargs", {}), **bound}
+        boundaries = boundaries_for_call(arguments)
+        if boundaries is not None:
+            if boundaries.is_packed and "use_cache" in signature.parameters and "use_cache" not in bound:
+                kwargs["use_cache"] = False
+            elif boundaries.is_packed and "use_cache" in bound:
+                kwargs["use_cache"] = False
+            if takes_kwargs:
+                kwargs["packfree_boundaries"] = boundaries
+    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(boundaries))
+    return args, kwargs
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    tokens = module.__dict__.get(_TOKENS_ATTR)
+    if tokens:
+        active_boundaries.reset(tokens.pop())
+
+
+def apply_model_hook(model: nn.Module) -> int:
+    """Hook every ``PreTrainedModel`` in ``model`` (idempotent); returns how many were newly hooked."""
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not hasattr(module, _HANDLES_ATTR):
+            handles = (
+                module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+            )
+            setattr(module, _HANDLES_ATTR, handles)
+            hooked += 1
+    return hooked
+
+
+def remove_model_hook(model: nn.Module) -> None:
+    """Undo :func:`apply_model_hook` on every module of ``model``."""
+    for module in model.modules():
+        for handle in module.__dict__.pop(_HANDLES_ATTR, ()):
+            handle.remove()

@@ -1,0 +1,20 @@
+"""Packed attention: the ``"packfree"`` attention/mask functions and their backends."""
+
+from .interface import (
+    active_boundaries,
+    choose_backend,
+    packfree_attention_forward,
+    packfree_attention_mask,
+    run_packed_attention,
+)
+from .reference import AttentionOptions, eager_attention
+
+__all__ = [
+    "AttentionOptions",
+    "active_boundaries",
+    "choose_backend",
+    "eager_attention",
+    "packfree_attention_forward",
+    "packfree_attention_mask",
+    "run_packed_attention",
+]

@@ -1,0 +1,186 @@
+"""The ``"packfree"`` attention function and its mask function, as registered with transformers.
+
+The mask function runs once per forward. While the model hook has published this forward's
+:class:`~packfree_plugin.boundaries.Boundaries` (no cache content: training, scoring, prefill), it returns
+that object itself instead of a ``[B, 1, T, T]`` mask, so every attention layer receives the boundaries
+as its ``attention_mask`` (the way ``flex_attention`` receives a ``BlockMask``) and no N x N mask exists.
+Otherwise (decoding from a cache) it defers to transformers' ``sdpa`` mask, and the attention function
+matches stock ``sdpa`` (or eager, for softcap/sinks) on that mask.
+
+Backend per call, fastest first: fused varlen kernels on CUDA (:mod:`.varlen`), else the portable
+segment path (:mod:`.segments`). ``PACKFREE_ATTENTION_BACKEND`` forces one by name (``segments``,
+``torch-varlen``, ``flash-attn``, ``kernels-hub``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from ..boundaries import Boundaries
+from .reference import AttentionOptions, eager_attention
+from .segments import segment_attention
+from .varlen import VARLEN_BACKENDS, on_accelerator
+
+__all__ = [
+    "active_boundaries",
+    "choose_backend",
+    "packfree_attention_forward",
+    "packfree_attention_mask",
+    "run_packed_attention",
+]
+
+logger = logging.getLogger(__name__)
+
+active_boundaries: ContextVar[Boundaries | None] = ContextVar("packfree_active_boundaries", default=None)
+"""Boundaries of the forward in progress, set by the model hook for the mask function."""
+
+_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+
+
+def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
+    """Name of the backend that will run this call: the first fused kernel that can, else ``segments``."""
+    forced = os.environ.get("PACKFREE_ATTENTION_BACKEND")
+    if forced:
+        if forced != "segments" and forced not in {backend.name for backend in VARLEN_BACKENDS}:
+            raise ValueError(f"PACKFREE_ATTENTION_BACKEND={forced!r} is not a packfree attention backend")
+        return forced
+    if on_accelerator(query):
+        for backend in VARLEN_BACKENDS:
+            if backend.supports(query, options, training) and backend.available():
+                return backend.name
+    return "segments"
+
+
+def run_packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    boundaries: Boundaries,
+    options: AttentionOptions,
+    *,
+    training: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Packed self-attention: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``."""
+    batch, _, seq_len, _ = query.shape
+    if (batch, seq_len) != (boundaries.batch_size, boundaries.seq_len) or key.shape[2] != seq_len:
+        raise ValueError(
+            f"packed boundaries describe [B={boundaries.batch_size}, T={boundaries.seq_len}] but attention got "
+            f"queries [B={batch}, T={seq_len}] and keys of length {key.shape[2]} (cross-attention or a cache "
+            "cannot be combined with a packed batch)"
+        )
+    backend = backend or choose_backend(query, options, training=training)
+    if backend == "segments":
+        return segment_attention(query, key, value, boundaries, options, training=training)
+    chosen = next(b for b in VARLEN_BACKENDS if b.name == backend)
+    if not chosen.available():
+        raise ValueError(f"attention backend {backend!r} was requested but cannot be loaded on this machine")
+    return chosen.run(query, key, value, boundaries, options, training=training)
+
+
+def packfree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Boundaries | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention contract: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, T, H, Dv], None)``."""
+    options = AttentionOptions(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        causal=is_causal if is_causal is not None else getattr(module, "is_causal", True),
+        window=sliding_window or None,
+        softcap=softcap or None,
+        sinks=s_aux,
+        dropout=dropout,
+    )
+    training = module.training
+    if isinstance(attention_mask, Boundaries):
+        return run_packed_attention(query, key, value, attention_mask, options, training=training), None
+    if attention_mask is None:
+        boundaries = kwargs.get("packfree_boundaries")
+        if boundaries is None and query.shape[2] == key.shape[2] > 1:
+            boundaries = _boundaries_from_kwargs(query, kwargs)
+        if boundaries is not None and query.shape[2] == key.shape[2]:
+            return run_packed_attention(query, key, value, boundaries, options, training=training), None
+    return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
+
+
+def _boundaries_from_kwargs(query: torch.Tensor, kwargs: dict) -> Boundaries | None:
+    """Fallback for a model packfree did not hook: read the boundary kwargs that reached this layer."""
+    found = {name: kwargs[name] for name in _BOUNDARY_KWARGS if kwargs.get(name) is not None}
+    if not found:
+        return None
+    return Boundaries.from_model_inputs(
+        batch_size=query.shape[0], seq_len=query.shape[2], device=query.device, **found
+    )
+
+
+def _masked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    options: AttentionOptions,
+    *,
+    training: bool,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Unpacked call with transformers' own mask (decoding from a cache): stock ``sdpa``, or eager for softcap/sinks."""
+    if not options.needs_eager:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=options.dropout, scaling=options.scale,
+            is_causal=options.causal,
+        )
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = eager_attention(
+        query, key, value, AttentionOptions(options.scale, options.causal and attention_mask is None, None,
+                                            options.softcap, options.sinks, options.dropout),
+        mask=attention_mask, training=training,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def packfree_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs,
+) -> Boundaries | torch.Tensor | None:
+    """transformers' mask-function contract. Returns this forward's boundaries when there are any."""
+    boundaries = active_boundaries.get()
+    if boundaries is not None and (batch_size, q_length, kv_length) == (
+        boundaries.batch_size, boundaries.seq_len, boundaries.seq_len
+    ):
+        if not use_vmap:
+            return boundaries
+        raise ValueError(
+            "this model overlays a custom pattern on its attention mask (or_mask_function / and_mask_function, "
+            "e.g. bidirectional image tokens); packfree cannot yet combine it with packed boundaries. Pass one "
+            "sample per row, or use attn_implementation='sdpa' for this model"
+        )
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,
+    )

@@ -1,0 +1,104 @@
+"""Portable packed attention: one fused SDPA call per segment, on any device (the CPU path).
+
+No ``[T, T]`` mask is ever built: each segment attends to itself through
+``torch.nn.functional.scaled_dot_product_attention`` (whose CPU kernel keeps O(L) extra memory), so the
+cost is that of running the samples one by one, minus everything outside attention that now runs
+batched. Sliding windows are computed in query blocks over only the keys in reach (O(L * W) memory);
+softcapping and sinks, which SDPA cannot express, go through the eager reference in the same blocks.
+Padding segments produce zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..boundaries import Boundaries
+from .reference import AttentionOptions, eager_attention, visible_keys
+
+__all__ = ["segment_attention", "QUERY_BLOCK"]
+
+QUERY_BLOCK = 256
+"""Queries per block when a window, softcap or sinks force blockwise computation."""
+
+
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    boundaries: Boundaries,
+    options: AttentionOptions,
+    *,
+    training: bool = False,
+) -> torch.Tensor:
+    """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``, each segment on its own."""
+    seq_len = boundaries.seq_len
+    rows: list[list[torch.Tensor]] = [[] for _ in range(boundaries.batch_size)]
+    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
+        row, begin = divmod(start, seq_len)
+        end = begin + length
+        if padding:
+            rows[row].append(query.new_zeros(query.shape[1], length, value.shape[-1]))
+            continue
+        rows[row].append(
+            _one_segment(
+                query[row, :, begin:end], key[row, :, begin:end], value[row, :, begin:end], options, training=training
+            )
+        )
+    out = torch.stack([torch.cat(parts, dim=1) for parts in rows])
+    return out.transpose(1, 2).contiguous()
+
+
+def _one_segment(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool
+) -> torch.Tensor:
+    """Self-attention inside one segment: ``[H, L, D]`` x ``[Hkv, L, D]`` -> ``[H, L, Dv]``."""
+    length = query.shape[1]
+    window_binds = options.window is not None and options.window < length
+    if not options.needs_eager and not window_binds:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=options.dropout if training else 0.0,
+            is_causal=options.causal and length > 1,
+            scale=options.scale,
+            enable_gqa=query.shape[0] != key.shape[0],
+        )
+    if length <= QUERY_BLOCK:
+        return eager_attention(query, key, value, options, q_offset=0, training=training)
+    blocks = []
+    for q_start in range(0, length, QUERY_BLOCK):
+        q_end = min(q_start + QUERY_BLOCK, length)
+        k_start, k_end = _keys_in_reach(q_start, q_end, length, options)
+        blocks.append(
+            _block(query[:, q_start:q_end], key[:, k_start:k_end], value[:, k_start:k_end], options,
+                   q_offset=q_start - k_start, training=training)
+        )
+    return torch.cat(blocks, dim=1)
+
+
+def _keys_in_reach(q_start: int, q_end: int, length: int, options: AttentionOptions) -> tuple[int, int]:
+    """Key range ``[k_start, k_end)`` that queries ``[q_start, q_end)`` can see under causality and window."""
+    window = options.window
+    if options.causal:
+        return (0 if window is None else max(0, q_start - window + 1)), q_end
+    if window is None:
+        return 0, length
+    return max(0, q_start - window), min(length, q_end + window)
+
+
+def _block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, q_offset: int,
+    training: bool,
+) -> torch.Tensor:
+    if options.needs_eager:
+        return eager_attention(query, key, value, options, q_offset=q_offset, training=training)
+    visible = visible_keys(
+        query.shape[1], key.shape[1], causal=options.causal, window=options.window, device=query.device,
+        q_offset=q_offset,
+    )
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=visible, dropout_p=options.dropout if training else 0.0, scale=options.scale,
+        enable_gqa=query.shape[0] != key.shape[0],
+    )

@@ -1,0 +1,136 @@
+"""Fused variable-length attention kernels for CUDA, imported lazily, each behind a capability check.
+
+Every backend takes the packed batch flattened to ``[B * T, H, D]`` and the boundaries' ``cu_seqlens``
+(``[N+1]`` int32 over the flattened tokens, padding spans included as segments of their own) and
+``max_seqlen`` (a host int, so no device sync happens here).
+
+- ``torch-varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10): causal/bidirectional,
+  windows, GQA; no dropout, softcap or sinks.
+- ``flash-attn``: ``flash_attn.flash_attn_varlen_func`` (the ``flash-attn`` package): adds dropout and
+  softcap.
+- ``kernels-hub``: the same function from a kernels-hub FlashAttention build already in the local cache
+  (``kernels.get_kernel``; repo from ``PACKFREE_FLASH_KERNEL``, default ``kernels-community/flash-attn``).
+
+Sinks (gpt-oss) and float32 inputs have no fused varlen kernel here; they take the portable path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from ..boundaries import Boundaries
+from .reference import AttentionOptions
+
+__all__ = ["VarlenBackend", "VARLEN_BACKENDS", "on_accelerator"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def on_accelerator(tensor: torch.Tensor) -> bool:
+    """Whether fused CUDA kernels may be tried for ``tensor`` (tests swap this predicate out)."""
+    return tensor.is_cuda
+
+
+@dataclass(frozen=True)
+class VarlenBackend:
+    """One fused kernel: ``load()`` returns its function or None; ``supports`` says if it can run a call."""
+
+    name: str
+    load: Callable[[], Callable | None]
+    supports: Callable[[torch.Tensor, AttentionOptions, bool], bool]
+    run: Callable[..., torch.Tensor]
+
+    def available(self) -> bool:
+        return self.load() is not None
+
+
+def _window(options: AttentionOptions) -> tuple[int, int]:
+    """transformers' window ``W`` -> flash's ``(left, right)`` (see :class:`AttentionOptions`)."""
+    if options.causal:
+        return (-1, 0) if options.window is None else (options.window - 1, 0)
+    return (-1, -1) if options.window is None else (options.window, options.window)
+
+
+def _flatten(tensor: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B * T, H, D]``."""
+    batch, heads, seq_len, dim = tensor.shape
+    return tensor.transpose(1, 2).reshape(batch * seq_len, heads, dim)
+
+
+def _unflatten(out: torch.Tensor, boundaries: Boundaries) -> torch.Tensor:
+    """``[B * T, H, Dv]`` -> ``[B, T, H, Dv]``, zeroing padding segments."""
+    out = out.view(boundaries.batch_size, boundaries.seq_len, *out.shape[1:])
+    if boundaries.has_padding:
+        out = out.masked_fill(boundaries.padding_tokens[:, :, None, None], 0.0)
+    return out
+
+
+@cache
+def _torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@cache
+def _flash_attn() -> Callable | None:
+    try:
+        return importlib.import_module("flash_attn").flash_attn_varlen_func
+    except (ImportError, AttributeError):
+        return None
+
+
+@cache
+def _kernels_hub() -> Callable | None:
+    try:
+        import kernels
+
+        module = kernels.get_kernel(os.environ.get("PACKFREE_FLASH_KERNEL", "kernels-community/flash-attn"))
+        return module.flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - not in the local cache, offline, wrong arch: simply not available
+        return None
+
+
+def _run_torch_varlen(q, k, v, boundaries: Boundaries, options: AttentionOptions, *, training: bool) -> torch.Tensor:
+    out = _torch_varlen()(
+        _flatten(q), _flatten(k), _flatten(v), boundaries.cu_seqlens, boundaries.cu_seqlens,
+        boundaries.max_seqlen, boundaries.max_seqlen, scale=options.scale, window_size=_window(options),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return _unflatten(out, boundaries)
+
+
+def _flash_style_runner(load: Callable[[], Callable | None]) -> Callable[..., torch.Tensor]:
+    def run(q, k, v, boundaries: Boundaries, options: AttentionOptions, *, training: bool) -> torch.Tensor:
+        out = load()(
+            _flatten(q), _flatten(k), _flatten(v), boundaries.cu_seqlens, boundaries.cu_seqlens,
+            boundaries.max_seqlen, boundaries.max_seqlen, dropout_p=options.dropout if training else 0.0,
+            softmax_scale=options.scale, causal=options.causal, window_size=_window(options),
+            softcap=options.softcap or 0.0,
+        )
+        return _unflatten(out, boundaries)
+
+    return run
+
+
+def _supports_torch_varlen(query: torch.Tensor, options: AttentionOptions, training: bool) -> bool:
+    return query.dtype in _HALF_DTYPES and not options.needs_eager and not (training and options.dropout > 0)
+
+
+def _supports_flash(query: torch.Tensor, options: AttentionOptions, training: bool) -> bool:
+    return query.dtype in _HALF_DTYPES and options.sinks is None
+
+
+VARLEN_BACKENDS: tuple[VarlenBackend, ...] = (
+    VarlenBackend("torch-varlen", _torch_varlen, _supports_torch_varlen, _run_torch_varlen),
+    VarlenBackend("flash-attn", _flash_attn, _supports_flash, _flash_style_runner(_flash_attn)),
+    VarlenBackend("kernels-hub", _kernels_hub, _supports_flash, _flash_style_runner(_kernels_hub)),
+)

@@ -1,0 +1,358 @@
+"""The one boundary object: where each packed sample starts and ends.
+
+A batch of ``B`` rows of ``T`` tokens is viewed as one flattened stream of ``B * T`` tokens, tiled by
+contiguous *segments* that never cross a row. A segment is either a sample or a padding span (tokens
+whose ``attention_mask`` is 0); padding spans are kept as segments of their own, so every token belongs
+to exactly one segment and no sample ever sees a padding token or another sample.
+
+``Boundaries`` is built once per forward (by the model hook in :mod:`packfree_plugin.adapters.model`)
+from whichever the batch carries, in this order:
+
+1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``), as sent by
+   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``;
+2. ``seq_idx`` ``[B, T]``: the sample index of every token;
+3. ``position_ids`` ``[B, T]``: **a sample starts at the first token of a row and at every token whose
+   position id is not exactly one more than the previous token's** (TRL's padding-free collator sends
+   only these). 3-D multimodal (MRoPE) ids ``[R, B, T]``: with ``R == 4`` the first plane holds text
+   positions and the rule above applies to it; otherwise a sample starts where all ``R`` components are
+   0 (vision tokens repeat and jump in some components, so the +1 rule would split inside an image);
+4. a 2-D ``attention_mask`` ``[B, T]`` (ordinary padded batch): each row is one sample, its zeros are
+   padding. A row whose ones are not contiguous is refused: packfree would have to guess its samples.
+
+When a packed source (1-3) and an ``attention_mask`` are both given, each segment must be entirely
+kept (1) or entirely padding (0); anything else contradicts the packing and raises ``ValueError``.
+
+Host-side offsets are read once (one device-to-host copy of the source); the device forms
+(``cu_seqlens`` int32 ``[N+1]``, ``seq_idx`` int32 ``[B, T]``) are derived from them lazily and cached,
+so any number of layers can ask for any form without another device sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import torch
+
+__all__ = ["Boundaries"]
+
+
+def _require_integer(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}")
+
+
+def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the inputs are on {device}; move it to {device}")
+
+
+class Boundaries:
+    """Segments tiling a ``[B, T]`` batch; see the module docstring for how they are read.
+
+    Attributes:
+        batch_size: ``B``.
+        seq_len: ``T``, tokens per row.
+        offsets: host tuple of ``N + 1`` segment offsets over the flattened ``B * T`` tokens
+            (``offsets[0] == 0``, strictly increasing, ``offsets[-1] == B * T``, every row start
+            ``k * T`` is an offset).
+        padding: host tuple of ``N`` flags, True where the segment is a padding span.
+        device: device of the data the segments describe.
+    """
+
+    __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "__dict__")
+
+    def __init__(
+        self,
+        offsets: Sequence[int],
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device | str,
+        padding: Sequence[bool] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> None:
+        """Validate host ``offsets`` (see class docstring). ``cu_seqlens``: optional device copy to reuse."""
+        offsets = tuple(int(o) for o in offsets)
+        total = batch_size * seq_len
+        if len(offsets) < 2 or offsets[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 entries, got {list(offsets[:8])}")
+        if offsets[-1] != total:
+            raise ValueError(
+                f"cu_seqlens must end at the number of tokens {total} (B={batch_size} x T={seq_len}), "
+                f"got {offsets[-1]}: sample lengths do not sum to the row"
+            )
+        for i in range(1, len(offsets)):
+            if offsets[i] < offsets[i - 1]:
+                raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets[i - 1]} then {offsets[i]} at {i}")
+            if offsets[i] == offsets[i - 1]:
+                raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
+        missing_row_starts = sorted(set(range(0, total, seq_len)) - set(offsets))
+        if missing_row_starts:
+            raise ValueError(
+                f"a segment crosses a row boundary: rows start at multiples of T={seq_len} but cu_seqlens "
+                f"lacks {missing_row_starts[:4]}"
+            )
+        padding = tuple(bool(p) for p in padding) if padding is not None else (False,) * (len(offsets) - 1)
+        if len(padding) != len(offsets) - 1:
+            raise ValueError(f"padding holds {len(padding)} flags for {len(offsets) - 1} segments")
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.offsets = offsets
+        self.padding = padding
+        self.device = torch.device(device)
+        if cu_seqlens is not None:
+            self.__dict__["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
+
+    # ----------------------------------------------------------------------------- host-side views
+    @property
+    def num_segments(self) -> int:
+        """``N``: samples and padding spans."""
+        return len(self.offsets) - 1
+
+    @cached_property
+    def lengths(self) -> tuple[int, ...]:
+        """Host tuple of ``N`` segment lengths."""
+        return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
+
+    @cached_property
+    def max_seqlen(self) -> int:
+        """Longest segment, as a host int (what varlen kernels call ``max_seqlen``)."""
+        return max(self.lengths)
+
+    @cached_property
+    def is_packed(self) -> bool:
+        """True when some row holds more than one sample (padding spans do not count)."""
+        samples_per_row = [0] * self.batch_size
+        for start, pad in zip(self.offsets, self.padding):
+            if not pad:
+                samples_per_row[start // self.seq_len] += 1
+        return max(samples_per_row) > 1
+
+    @cached_property
+    def has_padding(self) -> bool:
+        return any(self.padding)
+
+    # ------------------------------------------------------------------------------- device forms
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[N+1]`` int32 on :attr:`device`: segment offsets over the flattened ``B * T`` tokens."""
+        return torch.tensor(self.offsets, dtype=torch.int32, device=self.device)
+
+    @cached_property
+    def seq_idx(self) -> torch.Tensor:
+        """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
+        ids = torch.repeat_interleave(
+            torch.arange(self.num_segments, dtype=torch.int32), torch.tensor(self.lengths, dtype=torch.long)
+        )
+        return ids.view(self.batch_size, self.seq_len).to(self.device)
+
+    @cached_property
+    def position_ids(self) -> torch.Tensor:
+        """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
+        starts = torch.repeat_interleave(
+            torch.tensor(self.offsets[:-1], dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long)
+        )
+        positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long) - starts
+        return positions.view(self.batch_size, self.seq_len).to(self.device)
+
+    @cached_property
+    def padding_tokens(self) -> torch.Tensor:
+        """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
+        flags = torch.repeat_interleave(torch.tensor(self.padding), torch.tensor(self.lengths, dtype=torch.long))
+        return flags.view(self.batch_size, self.seq_len).to(self.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"Boundaries(B={self.batch_size}, T={self.seq_len}, segments={self.num_segments}, "
+            f"padding_spans={sum(self.padding)}, max_seqlen={self.max_seqlen}, device={self.device})"
+        )
+
+    # ------------------------------------------------------------------------------ constructors
+    @classmethod
+    def from_cu_seqlens(
+        cls,
+        cu_seqlens: torch.Tensor,
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device | str | None = None,
+        max_seqlen: int | torch.Tensor | None = None,
+    ) -> Boundaries:
+        """From ``cu_seqlens [N+1]`` over the flattened ``B * T`` tokens (the collator's ``cu_seq_lens_q``)."""
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1:
+            shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+            raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got {shape}")
+        _require_integer("cu_seqlens", cu_seqlens)
+        device = torch.device(device) if device is not None else cu_seqlens.device
+        _require_device("cu_seqlens", cu_seqlens, device)
+        boundaries = cls(
+            cu_seqlens.tolist(), batch_size=batch_size, seq_len=seq_len, device=device, cu_seqlens=cu_seqlens
+        )
+        if max_seqlen is not None and int(max_seqlen) != boundaries.max_seqlen:
+            raise ValueError(
+                f"max_length {int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {boundaries.max_seqlen}"
+            )
+        return boundaries
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor, *, device: torch.device | str) -> Boundaries:
+        """From a host bool ``[B, T]`` tensor that is True at the first token of every segment."""
+        batch_size, seq_len = starts.shape
+        starts = starts.clone()
+        starts[:, 0] = True
+        offsets = starts.reshape(-1).nonzero().flatten().tolist() + [batch_size * seq_len]
+        return cls(offsets, batch_size=batch_size, seq_len=seq_len, device=device)
+
+    @classmethod
+    def from_seq_idx(cls, seq_idx: torch.Tensor, *, device: torch.device | str | None = None) -> Boundaries:
+        """From ``seq_idx [B, T]``: a segment starts wherever the index changes. Must be non-decreasing per row."""
+        if seq_idx.ndim != 2:
+            raise ValueError(f"seq_idx must be [B, T], got shape {tuple(seq_idx.shape)}")
+        _require_integer("seq_idx", seq_idx)
+        device = torch.device(device) if device is not None else seq_idx.device
+        _require_device("seq_idx", seq_idx, device)
+        host = seq_idx.detach().to("cpu", torch.long)
+        step = host[:, 1:] - host[:, :-1]
+        if (step < 0).any():
+            row, col = (step < 0).nonzero()[0].tolist()
+            raise ValueError(
+                f"seq_idx must be non-decreasing along each row; row {row} goes from "
+                f"{host[row, col].item()} to {host[row, col + 1].item()} at token {col + 1}"
+            )
+        starts = torch.zeros_like(host, dtype=torch.bool)
+        starts[:, 1:] = step != 0
+        return cls.from_starts(starts, device=device)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor, *, device: torch.device | str | None = None) -> Boundaries:
+        """From ``position_ids [B, T]`` (or MRoPE ``[R, B, T]``) by the rule in the module docstring."""
+        _require_integer("position_ids", position_ids)
+        device = torch.device(device) if device is not None else position_ids.device
+        _require_device("position_ids", position_ids, device)
+        host = position_ids.detach().to("cpu", torch.long)
+        if host.ndim == 3 and host.shape[0] == 4:
+            host = host[0]
+        if host.ndim == 3:
+            starts = (host == 0).all(dim=0)
+        elif host.ndim == 2:
+            starts = torch.zeros_like(host, dtype=torch.bool)
+            starts[:, 1:] = host[:, 1:] != host[:, :-1] + 1
+        else:
+            raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
+        return cls.from_starts(starts, device=device)
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor, *, device: torch.device | str | None = None) -> Boundaries:
+        """From a 2-D padding mask ``[B, T]`` (1 = token, 0 = padding): one sample per row."""
+        host = _host_padding_mask(attention_mask)
+        device = torch.device(device) if device is not None else attention_mask.device
+        starts = torch.zeros_like(host)
+        starts[:, 1:] = host[:, 1:] != host[:, :-1]
+        runs_of_ones = (starts & host).sum(dim=1) + host[:, 0].long()
+        bad_rows = (runs_of_ones > 1).nonzero().flatten().tolist()
+        if bad_rows:
+            raise ValueError(
+                f"attention_mask row {bad_rows[0]} has a gap (a 0 between 1s): packfree reads a 2-D attention_mask "
+                "as one padded sample per row; pass position_ids, seq_idx or cu_seq_lens_q to describe packed samples"
+            )
+        boundaries = cls.from_starts(starts, device=device)
+        return boundaries._with_padding(host)
+
+    @classmethod
+    def from_model_inputs(
+        cls,
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device | str,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | torch.Tensor | None = None,
+        max_length_k: int | torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Boundaries:
+        """Build from whatever a forward call carries, in the documented order of precedence."""
+        device = torch.device(device)
+        if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+            if cu_seq_lens_q is None or cu_seq_lens_k is None:
+                raise ValueError("pass both cu_seq_lens_q and cu_seq_lens_k (packfree packs self-attention rows)")
+            if cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+                raise ValueError(
+                    "cu_seq_lens_k differs from cu_seq_lens_q: a packed batch for self-attention has the same "
+                    "boundaries for queries and keys"
+                )
+            if max_length_q is not None and max_length_k is not None and int(max_length_q) != int(max_length_k):
+                raise ValueError(f"max_length_q={int(max_length_q)} differs from max_length_k={int(max_length_k)}")
+            boundaries = cls.from_cu_seqlens(
+                cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, device=device, max_seqlen=max_length_q
+            )
+        elif seq_idx is not None:
+            if tuple(seq_idx.shape) != (batch_size, seq_len):
+                raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+            boundaries = cls.from_seq_idx(seq_idx, device=device)
+        elif position_ids is not None:
+            if position_ids.shape[-1] != seq_len:
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs have T={seq_len}")
+            if position_ids.shape[-2] != batch_size:
+                position_ids = position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
+            boundaries = cls.from_position_ids(position_ids, device=device)
+        elif attention_mask is not None:
+            _check_mask_shape(attention_mask, batch_size, seq_len)
+            return cls.from_attention_mask(attention_mask, device=device)
+        else:
+            return cls(range(0, batch_size * seq_len + 1, seq_len), batch_size=batch_size, seq_len=seq_len, device=device)
+        if attention_mask is None:
+            return boundaries
+        _check_mask_shape(attention_mask, batch_size, seq_len)
+        return boundaries._with_padding(_host_padding_mask(attention_mask))
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _with_padding(self, host_mask: torch.Tensor) -> Boundaries:
+        """Mark segments whose tokens are all 0 in ``host_mask [B, T]`` as padding; refuse mixed segments."""
+        kept_per_segment = torch.segment_reduce(
+            host_mask.reshape(-1).to(torch.float64), "sum", lengths=torch.tensor(self.lengths)
+        ).long().tolist()
+        for index, (kept, length) in enumerate(zip(kept_per_segment, self.lengths)):
+            if 0 < kept < length:
+                start = self.offsets[index]
+                raise ValueError(
+                    f"attention_mask contradicts the packed boundaries: segment {index} (tokens {start}..{start + length - 1}"
+                    f" of the flattened batch) is partly masked ({kept} of {length} tokens kept); a packed sample "
+                    "must be entirely kept or entirely padding"
+                )
+        return Boundaries(
+            self.offsets,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            device=self.device,
+            padding=[kept == 0 for kept in kept_per_segment],
+            cu_seqlens=self.__dict__.get("cu_seqlens"),
+        )
+
+
+def _check_mask_shape(attention_mask: torch.Tensor, batch_size: int, seq_len: int) -> None:
+    if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch_size, seq_len):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask [B={batch_size}, T={seq_len}], got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+
+
+def _host_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` mask of 0/1 (any dtype) -> host bool tensor; other values raise."""
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must be 2-D [B, T], got shape {tuple(attention_mask.shape)}")
+    host = attention_mask.detach().to("cpu")
+    if host.dtype != torch.bool:
+        bad = ~((host == 0) | (host == 1))
+        if bad.any():
+            value = host[bad][0].item()
+            raise ValueError(
+                f"attention_mask must hold only 0 and 1, found {value}; describe packed samples with position_ids, "
+                "seq_idx or cu_seq_lens_q"
+            )
+        host = host == 1
+    return host
