@@ -43,6 +43,8 @@ def _require_integer(name: str, tensor: torch.Tensor) -> None:
 
 
 def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but the inputs are on {device}; move it to {device}")
 
@@ -279,6 +281,8 @@ class Boundaries:
         if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
             if cu_seq_lens_q is None or cu_seq_lens_k is None:
                 raise ValueError("pass both cu_seq_lens_q and cu_seq_lens_k (packfree packs self-attention rows)")
+            _require_device("cu_seq_lens_q", cu_seq_lens_q, device)
+            _require_device("cu_seq_lens_k", cu_seq_lens_k, device)
             if cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
                 raise ValueError(
                     "cu_seq_lens_k differs from cu_seq_lens_q: a packed batch for self-attention has the same "

@@ -30,8 +30,12 @@ def segment_attention(
     options: AttentionOptions,
     *,
     training: bool = False,
+    query_block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``, each segment on its own."""
+    """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``, each segment on its own.
+
+    ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
+    """
     seq_len = boundaries.seq_len
     rows: list[list[torch.Tensor]] = [[] for _ in range(boundaries.batch_size)]
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
@@ -42,7 +46,8 @@ def segment_attention(
             continue
         rows[row].append(
             _one_segment(
-                query[row, :, begin:end], key[row, :, begin:end], value[row, :, begin:end], options, training=training
+                query[row, :, begin:end], key[row, :, begin:end], value[row, :, begin:end], options,
+                training=training, query_block=query_block,
             )
         )
     out = torch.stack([torch.cat(parts, dim=1) for parts in rows])
@@ -50,7 +55,8 @@ def segment_attention(
 
 
 def _one_segment(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool,
+    query_block: int,
 ) -> torch.Tensor:
     """Self-attention inside one segment: ``[H, L, D]`` x ``[Hkv, L, D]`` -> ``[H, L, Dv]``."""
     length = query.shape[1]
@@ -65,11 +71,11 @@ def _one_segment(
             scale=options.scale,
             enable_gqa=query.shape[0] != key.shape[0],
         )
-    if length <= QUERY_BLOCK:
+    if length <= query_block:
         return eager_attention(query, key, value, options, q_offset=0, training=training)
     blocks = []
-    for q_start in range(0, length, QUERY_BLOCK):
-        q_end = min(q_start + QUERY_BLOCK, length)
+    for q_start in range(0, length, query_block):
+        q_end = min(q_start + query_block, length)
         k_start, k_end = _keys_in_reach(q_start, q_end, length, options)
         blocks.append(
             _block(query[:, q_start:q_end], key[:, k_start:k_end], value[:, k_start:k_end], options,

