@@ -12,11 +12,16 @@ __all__ = ["apply", "apply_model_hook", "boundaries_for_call", "remove_model_hoo
 def apply(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for packed batches (idempotent) and return it.
 
-    Hooks every ``PreTrainedModel`` in it so that each forward builds its boundaries once. Called
-    automatically for models loaded with ``attn_implementation="packfree"``.
+    Switches a model loaded with another attention implementation to ``"packfree"`` and hooks every
+    ``PreTrainedModel`` in it so that each forward builds its boundaries once. Called automatically for
+    models loaded with ``attn_implementation="packfree"``.
     """
-    from ..registration import register
+    from ..registration import ATTN_IMPLEMENTATION, register
 
     register()
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     apply_model_hook(model)
     return model
