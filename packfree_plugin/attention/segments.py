@@ -42,15 +42,16 @@ def segment_attention(
         row, begin = divmod(start, seq_len)
         end = begin + length
         if padding:
-            rows[row].append(query.new_zeros(query.shape[1], length, value.shape[-1]))
+            rows[row].append(query.new_zeros(1, query.shape[1], length, value.shape[-1]))
             continue
+        # 4-D [1, H, L, D] views: CPU SDPA takes its fused (flash) kernel only for 4-D inputs
         rows[row].append(
             _one_segment(
-                query[row, :, begin:end], key[row, :, begin:end], value[row, :, begin:end], options,
-                training=training, query_block=query_block,
+                query[row : row + 1, :, begin:end], key[row : row + 1, :, begin:end],
+                value[row : row + 1, :, begin:end], options, training=training, query_block=query_block,
             )
         )
-    out = torch.stack([torch.cat(parts, dim=1) for parts in rows])
+    out = torch.cat([torch.cat(parts, dim=2) for parts in rows])
     return out.transpose(1, 2).contiguous()
 
 
@@ -58,8 +59,8 @@ def _one_segment(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool,
     query_block: int,
 ) -> torch.Tensor:
-    """Self-attention inside one segment: ``[H, L, D]`` x ``[Hkv, L, D]`` -> ``[H, L, Dv]``."""
-    length = query.shape[1]
+    """Self-attention inside one segment: ``[1, H, L, D]`` x ``[1, Hkv, L, D]`` -> ``[1, H, L, Dv]``."""
+    length = query.shape[2]
     window_binds = options.window is not None and options.window < length
     if not options.needs_eager and not window_binds:
         return F.scaled_dot_product_attention(
@@ -69,7 +70,7 @@ def _one_segment(
             dropout_p=options.dropout if training else 0.0,
             is_causal=options.causal and length > 1,
             scale=options.scale,
-            enable_gqa=query.shape[0] != key.shape[0],
+            enable_gqa=query.shape[1] != key.shape[1],
         )
     if length <= query_block:
         return eager_attention(query, key, value, options, q_offset=0, training=training)
@@ -78,10 +79,10 @@ def _one_segment(
         q_end = min(q_start + query_block, length)
         k_start, k_end = _keys_in_reach(q_start, q_end, length, options)
         blocks.append(
-            _block(query[:, q_start:q_end], key[:, k_start:k_end], value[:, k_start:k_end], options,
+            _block(query[:, :, q_start:q_end], key[:, :, k_start:k_end], value[:, :, k_start:k_end], options,
                    q_offset=q_start - k_start, training=training)
         )
-    return torch.cat(blocks, dim=1)
+    return torch.cat(blocks, dim=2)
 
 
 def _keys_in_reach(q_start: int, q_end: int, length: int, options: AttentionOptions) -> tuple[int, int]:
@@ -101,10 +102,10 @@ def _block(
     if options.needs_eager:
         return eager_attention(query, key, value, options, q_offset=q_offset, training=training)
     visible = visible_keys(
-        query.shape[1], key.shape[1], causal=options.causal, window=options.window, device=query.device,
+        query.shape[2], key.shape[2], causal=options.causal, window=options.window, device=query.device,
         q_offset=q_offset,
     )
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=visible, dropout_p=options.dropout if training else 0.0, scale=options.scale,
-        enable_gqa=query.shape[0] != key.shape[0],
+        enable_gqa=query.shape[1] != key.shape[1],
     )
