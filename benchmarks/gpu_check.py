@@ -1,0 +1,115 @@
+"""GPU check (``nox -s gpu`` on a CUDA machine): each CUDA backend against the CPU reference, and timed.
+
+For every fused varlen attention backend that loads here, a packed bf16 batch (16 samples of skewed
+lengths, causal, GQA, with and without a sliding window) is run through it and through packfree's
+portable path on the CPU in float32; the table gives the max difference and the fwd+bwd time against
+the portable path on the same GPU. A tiny Llama then runs a packed row end to end on the GPU with
+``attn_implementation="packfree"`` and is compared with each sample alone. Every check reports its own
+failure instead of stopping the script. Prints Markdown; exit code 1 if any available check fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch
+
+from benchmarks.attention import skewed_lengths
+from packfree_plugin.attention.interface import run_packed_attention
+from packfree_plugin.attention.reference import AttentionOptions
+from packfree_plugin.attention.varlen import VARLEN_BACKENDS
+from packfree_plugin.boundaries import Boundaries
+
+
+def _timed(fn, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def attention_rows(tokens: int = 8192) -> list[dict]:
+    lengths = skewed_lengths(tokens)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    boundaries = Boundaries.from_position_ids(positions)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 16, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    k = torch.randn(1, 4, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    v = torch.randn(1, 4, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    rows = []
+    for window in (None, 512):
+        options = AttentionOptions(scale=128**-0.5, causal=True, window=window)
+        cpu_boundaries = Boundaries.from_position_ids(positions.cpu())
+        expected = run_packed_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu_boundaries, options,
+                                        backend="segments")
+
+        def fwd_bwd(backend: str) -> None:
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            run_packed_attention(qq, kk, vv, boundaries, options, backend=backend).float().sum().backward()
+
+        portable = _timed(lambda: fwd_bwd("segments"))
+        for backend in VARLEN_BACKENDS:
+            row = {"check": f"attention {backend.name}", "window": window, "tokens": tokens}
+            if not backend.available():
+                rows.append(row | {"status": "not installed"})
+                continue
+            try:
+                out = run_packed_attention(q, k, v, boundaries, options, backend=backend.name)
+                diff = (out.float().cpu() - expected).abs().max().item()
+                seconds = _timed(lambda name=backend.name: fwd_bwd(name))
+                rows.append(row | {"status": "ok" if diff < 3e-2 else "MISMATCH", "max_diff": diff,
+                                   "ms": seconds * 1e3, "x_portable_time": seconds / portable})
+            except Exception as error:  # noqa: BLE001 - report and go on
+                rows.append(row | {"status": f"error: {error!r}"[:200]})
+        rows.append({"check": "attention segments (portable, GPU)", "window": window, "tokens": tokens,
+                     "status": "ok", "ms": portable * 1e3, "x_portable_time": 1.0})
+    return rows
+
+
+def model_row() -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import packfree_plugin
+
+    packfree_plugin.register()
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=2048)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree", dtype=torch.bfloat16).cuda()
+    lengths = skewed_lengths(4096)
+    ids = torch.randint(3, 2048, (1, 4096), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions).logits[0].float()
+        alone = torch.cat([model(input_ids=p).logits[0].float() for p in ids.split(lengths, dim=1)])
+    diff = (packed - alone).abs().max().item()
+    return {"check": "tiny Llama packed vs alone (bf16, auto backend)", "tokens": 4096, "max_diff": diff,
+            "status": "ok" if diff < 5e-2 else "MISMATCH"}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 0
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for check in (attention_rows, model_row):
+        try:
+            result = check()
+            rows.extend(result if isinstance(result, list) else [result])
+        except Exception:  # noqa: BLE001
+            rows.append({"check": check.__name__, "status": "error: " + traceback.format_exc(limit=2)[-300:]})
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
+                                for c in columns) + " |")
+    return 1 if any(str(row["status"]).startswith(("MISMATCH", "error")) for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Developer and CI entry points. ``python3 -m nox -s tests`` is the README's (and CI's) test command."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"  # the CPU wheel this machine keeps on disk; unpinned torch pulls a multi-GB CUDA build
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(TORCH)
+    session.install(f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default suite (Hypothesis profile ``ci``)."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+@nox.session
+def thorough(session: nox.Session) -> None:
+    """The suite with the heavier Hypothesis profile (``thorough``)."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "thorough"})
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Speed and memory ratios against baselines measured in the same run (never asserted in tests)."""
+    _install(session)
+    session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine, in its own environment: each CUDA backend against the CPU reference, timed."""
+    session.run("python", "-m", "benchmarks.gpu_check", *session.posargs, env={"PYTHONPATH": os.getcwd()})
