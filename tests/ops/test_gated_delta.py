@@ -108,8 +108,7 @@ def test_packed_matches_per_sample_naive(family, lengths, chunk, seed, l2norm, w
     inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed, with_h0=with_h0)
     cu = cu_of(lengths)
     kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=l2norm, **opts)
-    extra = {"sub_chunk_size": 4} if per_channel else {}
-    o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=chunk, **extra, **kw)
+    o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=chunk, **kw)
     # Reference: each sample alone, then concatenated.
     ref_o, ref_f = [], []
     for i, n in enumerate(lengths):
@@ -132,8 +131,7 @@ def test_packed_matches_per_sample_naive(family, lengths, chunk, seed, l2norm, w
 def test_kda_gate_in_kernel_matches_naive(lengths, seed):
     inp, opts = make_inputs(lengths, per_channel=True, seed=seed, gate_in_kernel=True)
     cu = cu_of(lengths)
-    o, f = chunk_kda_torch(*inp.values(), cu_seqlens=cu, output_final_state=True, chunk_size=16,
-                           sub_chunk_size=4, **opts)
+    o, f = chunk_kda_torch(*inp.values(), cu_seqlens=cu, output_final_state=True, chunk_size=16, **opts)
     ro, rf = naive_kda(*inp.values(), cu_seqlens=cu, output_final_state=True, **opts)
     assert_close(o, ro)
     assert_close(f, rf)
@@ -150,9 +148,8 @@ def test_gradient_isolation(family, lengths, seed, data):
     j = data.draw(st.integers(0, len(lengths) - 1), label="sample")
     inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed)
     cu = cu_of(lengths)
-    extra = {"sub_chunk_size": 4} if per_channel else {}
     o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=8, output_final_state=True,
-                    use_qk_l2norm_in_kernel=True, **extra, **opts)
+                    use_qk_l2norm_in_kernel=True, **opts)
     lo, hi = int(cu[j]), int(cu[j + 1])
     loss = (o[:, lo:hi] * 1.3).sum() + final[j].sum()
     names, leaves = leaves_of(inp, opts)
@@ -391,6 +388,9 @@ def test_bad_tensor_arguments_raise(family):
         call(q=x["q"][0])
     with pytest.raises(ValueError, match="chunk_size"):
         (chunk_kda_torch if per_channel else chunk_gated_delta_rule_torch)(*x.values(), chunk_size=0)
+    if per_channel:
+        with pytest.raises(ValueError, match="power of two"):
+            chunk_kda_torch(*x.values(), chunk_size=48)
     if per_channel:
         with pytest.raises(ValueError, match="requires A_log"):
             chunk_kda(*x.values(), use_gate_in_kernel=True)

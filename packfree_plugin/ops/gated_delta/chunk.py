@@ -16,8 +16,8 @@ and including ``r``)::
     o = (q * exp(G)) S0 + P delta
     S_C = exp(G_last) S0 + (k * exp(G_last - G))^T delta
 
-Every exponent above is <= 0, so nothing overflows. For KDA's per-channel decay ``A`` and ``P`` are built from
-sub-blocks (see :func:`_per_channel_gram`) so that no ``[C, C, K]`` tensor is ever formed.
+Every exponent above is <= 0, so nothing overflows. For KDA's per-channel decay ``A`` and ``P`` are built by
+recursive halving (see :func:`_per_channel_gram`) so that no ``[C, C, K]`` tensor is ever formed.
 
 Boundaries: all samples are cut into chunks that start on sample starts (padding slots have k = q = v = beta
 = g = 0, which leaves the state untouched), the intra-chunk part runs for all chunks of all samples in one
@@ -98,11 +98,10 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool)
     return offsets, (B, T, H, K, V)
 
 
-def _check_chunking(chunk_size: int, sub_chunk_size: int) -> None:
-    if chunk_size < 1 or sub_chunk_size < 1 or chunk_size % sub_chunk_size:
-        raise ValueError(
-            f"chunk_size ({chunk_size}) must be a positive multiple of sub_chunk_size ({sub_chunk_size})"
-        )
+def _check_chunking(chunk_size: int, per_channel: bool) -> None:
+    if chunk_size < 1 or (per_channel and chunk_size & (chunk_size - 1)):
+        kind = "a power of two" if per_channel else "positive"
+        raise ValueError(f"chunk_size must be {kind}, got {chunk_size}")
 
 
 def _scalar_gram(q, k, gc, beta):
@@ -116,49 +115,48 @@ def _scalar_gram(q, k, gc, beta):
     return A, P
 
 
-def _per_channel_gram(q, k, gc, beta, sub: int):
-    """Per-channel decay (KDA): ``A`` and ``P`` as in :func:`_scalar_gram` without a ``[C, C, K]`` tensor.
+def _lower_left_blocks(blk: torch.Tensor, C: int) -> torch.Tensor:
+    """``[M, H, nb, s, s]`` -> ``[M, H, C, C]``: block ``b`` placed at rows ``(2b+1)s..``, cols ``2b s..`` (the
+    lower-left quadrant of the ``b``-th ``2s x 2s`` diagonal block), zeros elsewhere."""
+    M, H, nb, s, _ = blk.shape
+    z = torch.zeros_like(blk)
+    parent = torch.cat([torch.cat([z, z], dim=-1), torch.cat([blk, z], dim=-1)], dim=-2)  # [M, H, nb, 2s, 2s]
+    eye = torch.eye(nb, dtype=blk.dtype, device=blk.device)[:, None, :, None]
+    return (parent[..., :, None, :] * eye).reshape(M, H, C, C)
 
-    Rows are split into sub-blocks of ``sub`` tokens. For row block ``b`` and every column before it, the
-    reference point ``ref_b = G[b*sub - 1]`` lies between column and row, so both factors
-    ``exp(G_r - ref_b)`` and ``exp(ref_b - G_s)`` are <= 1 and ``exp(G_r - G_s)`` is their product: one
-    matmul per row block. Only the ``sub x sub`` diagonal blocks are formed pairwise (``[sub, sub, K]``).
+
+def _per_channel_gram(q, k, gc, beta):
+    """Per-channel decay (KDA): ``A`` and ``P`` as in :func:`_scalar_gram` without any ``[C, C, K]`` tensor.
+
+    Split the chunk in halves, recursively. Every strictly-lower pair ``(r, s)`` lies in exactly one
+    (right-half rows x left-half cols) quadrant, and there the boundary ``ref = G[last of left half]`` lies
+    between them, so ``exp(G_r - G_s) = exp(G_r - ref) * exp(ref - G_s)`` with both factors <= 1: one
+    batched matmul per level, ``log2 C`` levels, and nothing can overflow. The diagonal has no decay.
     """
     M, H, C, K = k.shape
-    nb = C // sub
-    gb = gc.view(M, H, nb, sub, K)
-    kb = k.view(M, H, nb, sub, K)
-    qb = q.view(M, H, nb, sub, K)
-    # Off-diagonal blocks: reference = last position of the previous block (block 0 has no earlier columns).
-    ref_idx = torch.arange(nb, device=gc.device) * sub - 1
-    ref = gc[:, :, ref_idx.clamp(min=0), :]  # [M, H, nb, K]
-    row = torch.exp(gb - ref[:, :, :, None, :])  # [M, H, nb, sub, K], <= 1 for b >= 1
-    earlier = torch.arange(C, device=gc.device)[None, :] <= ref_idx[:, None]  # [nb, C]: column s < b*sub
-    col_exp = (ref[:, :, :, None, :] - gc[:, :, None, :, :]).masked_fill(~earlier[:, :, None], float("-inf"))
-    kcol = k[:, :, None, :, :] * torch.exp(col_exp)  # [M, H, nb, C, K]
-    P_off = (qb * row) @ kcol.transpose(-1, -2)  # [M, H, nb, sub, C]
-    A_off = (kb * row) @ kcol.transpose(-1, -2)
-    # Diagonal blocks, pairwise: exp(G_r - G_s) for s <= r inside the block.
-    incl = torch.ones(sub, sub, dtype=torch.bool, device=gc.device).tril()
-    d = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~incl[..., None], float("-inf"))
-    e = torch.exp(d)  # [M, H, nb, sub, sub, K]
-    P_diag = torch.einsum("mhbrd,mhbsd,mhbrsd->mhbrs", qb, kb, e)
-    A_diag = torch.einsum("mhbrd,mhbsd,mhbrsd->mhbrs", kb, kb, e).tril(-1)
-    eye = torch.eye(nb, dtype=k.dtype, device=k.device)[:, None, :, None]  # [nb, 1, nb, 1]
-    P = P_off.view(M, H, nb, sub, nb, sub) + P_diag[..., :, :, None, :] * eye
-    A = A_off.view(M, H, nb, sub, nb, sub) + A_diag[..., :, :, None, :] * eye
-    P = P.reshape(M, H, C, C)
-    A = A.reshape(M, H, C, C) * beta[..., :, None]
-    return A, P
+    P = torch.diag_embed((q * k).sum(-1))
+    A = torch.zeros_like(P)
+    half = C // 2
+    while half >= 1:
+        nb = C // (2 * half)
+        g2 = gc.view(M, H, nb, 2, half, K)
+        ref = g2[:, :, :, 0, -1:, :]  # [M, H, nb, 1, K]
+        row = torch.exp(g2[:, :, :, 1] - ref)  # right half, <= 1
+        col = torch.exp(ref - g2[:, :, :, 0])  # left half, <= 1
+        kcol = (k.view(M, H, nb, 2, half, K)[:, :, :, 0] * col).transpose(-1, -2)
+        P = P + _lower_left_blocks((q.view(M, H, nb, 2, half, K)[:, :, :, 1] * row) @ kcol, C)
+        A = A + _lower_left_blocks((k.view(M, H, nb, 2, half, K)[:, :, :, 1] * row) @ kcol, C)
+        half //= 2
+    return A * beta[..., :, None], P
 
 
-def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channel: bool, sub: int):
+def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channel: bool):
     """Core on packed chunks. ``q, k [M, H, C, K]`` (q scaled), ``v [M, H, C, V]``, ``gc`` in-chunk cumulative
     log decay ``[M, H, C]`` or ``[M, H, C, K]``, ``beta [M, H, C]``, ``h0 [N, H, K, V]`` in rank order.
     Returns ``o [M, H, C, V]`` and final states ``[N, H, K, V]`` in rank order."""
     C = q.shape[-2]
     if per_channel:
-        A, P = _per_channel_gram(q, k, gc, beta, sub)
+        A, P = _per_channel_gram(q, k, gc, beta)
         gain = torch.exp(gc)  # [M, H, C, K]
         last = gc[..., -1:, :]  # [M, H, 1, K]
         k_end = k * torch.exp(last - gc)
@@ -173,18 +171,21 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
         decay_last = torch.exp(last)[..., None]  # [M, H, 1, 1]
         qg = q * gain
         kg = k * gain
+    # T = (I + A)^-1 once (C right-hand sides), then plain matmuls: on CPU a batched triangular solve against
+    # the [C, K + V] right-hand side is ~10x slower than solving against I and multiplying.
     eye = torch.eye(C, dtype=A.dtype, device=A.device)
-    rhs = torch.cat([v, kg], dim=-1) * beta[..., None]
-    X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    T_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    T_inv = T_inv * beta[..., None, :]  # fold beta into the right-hand sides' rows
+    U = T_inv @ v
+    W = T_inv @ kg
     Vd = v.shape[-1]
-    U, W = X[..., :Vd], X[..., Vd:]
 
-    def step(S, sl):
-        v_new = U[sl] - W[sl] @ S
-        S_next = S * decay_last[sl] + k_end[sl].transpose(-1, -2) @ v_new
+    def step(S, u, w, dl, ke):
+        v_new = u - w @ S
+        S_next = S * dl + ke.transpose(-1, -2) @ v_new
         return S_next, (S, v_new)
 
-    extras, final = run_chunk_steps(layout, h0, step)
+    extras, final = run_chunk_steps(layout, h0, step, U, W, decay_last, k_end)
     if not extras:  # no tokens at all
         return q.new_zeros(*q.shape[:-1], Vd), final
     h_before = torch.cat([e[0] for e in extras], dim=0)  # [M, H, K, V]
@@ -194,9 +195,9 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
 
 
 def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-         chunk_size, sub_chunk_size, per_channel):
+         chunk_size, per_channel):
     offsets, (B, T, H, K, V) = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
-    _check_chunking(chunk_size, sub_chunk_size)
+    _check_chunking(chunk_size, per_channel)
     if scale is None:
         scale = K**-0.5
     out_dtype = q.dtype
@@ -221,7 +222,7 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
         h0 = qf.new_zeros(N, H, K, V)
     else:
         h0 = layout.to_rank_order(initial_state.to(cdt))
-    o, final = _delta_rule_chunks(qc, kc, vc, gc, bc, h0, layout, per_channel=per_channel, sub=sub_chunk_size)
+    o, final = _delta_rule_chunks(qc, kc, vc, gc, bc, h0, layout, per_channel=per_channel)
     o = layout.unpack(o.transpose(1, 2)).view(B, T, H, V).to(out_dtype)
     final = layout.to_sample_order(final) if output_final_state else None
     return o, final
@@ -263,7 +264,7 @@ def chunk_gated_delta_rule_torch(
     """
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                sub_chunk_size=chunk_size, per_channel=False)
+                per_channel=False)
 
 
 def chunk_kda_torch(
@@ -282,7 +283,6 @@ def chunk_kda_torch(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
-    sub_chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention (per-channel decay), chunked, pure PyTorch; semantics of fla's ``chunk_kda``.
 
@@ -299,7 +299,7 @@ def chunk_kda_torch(
         cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
             ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
             from its own initial state. ``None``: every batch row is one sample (``N == B``).
-        chunk_size: tokens per chunk; sub_chunk_size: diagonal block size of the per-channel Gram matrices.
+        chunk_size: tokens per chunk (a power of two: the per-channel Gram matrices are built by halving).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
@@ -315,4 +315,4 @@ def chunk_kda_torch(
         g = kda_gate(g, A_log, dt_bias)
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                sub_chunk_size=sub_chunk_size, per_channel=True)
+                per_channel=True)

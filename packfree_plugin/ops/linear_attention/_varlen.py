@@ -179,13 +179,25 @@ def chunk_layout(offsets: tuple[int, ...], chunk: int, device: torch.device) -> 
     )
 
 
-def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step) -> tuple[list, torch.Tensor]:
+def split_steps(layout: ChunkLayout, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Split chunk-indexed tensors ``[M, ...]`` into per-step pieces ``[active[j], ...]``.
+
+    One ``split`` per tensor rather than a slice per step: the backward of a slice zero-fills a gradient of
+    the full ``[M, ...]`` shape every step (quadratic in the number of steps), a split's backward is one cat.
+    """
+    pieces = [t.split(list(layout.active), dim=0) for t in tensors]
+    return list(zip(*pieces))
+
+
+def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step, *per_chunk: torch.Tensor) -> tuple[list, torch.Tensor]:
     """Drive the inter-chunk recurrence over the layout.
 
     Args:
         state: ``[N, ...]`` initial states in rank order.
-        step: ``step(state [a, ...], chunks: slice) -> (new_state [a, ...], extra)`` for the ``a`` active
-            samples whose chunks occupy ``chunks``; ``extra`` (anything) is collected per step.
+        step: ``step(state [a, ...], *pieces) -> (new_state [a, ...], extra)`` for the ``a`` active samples of
+            a step, where ``pieces`` are that step's ``[a, ...]`` slices of ``per_chunk``; ``extra`` (anything)
+            is collected per step.
+        per_chunk: chunk-indexed tensors ``[M, ...]`` the step reads.
 
     Returns:
         (extras per step, final states ``[N, ...]`` in rank order).
@@ -197,8 +209,9 @@ def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step) -> tuple[lis
     if first_active < n:
         finished.append(state[first_active:])
     state = state[:first_active]
-    for j, (start, a) in enumerate(zip(layout.step_start, layout.active)):
-        state, extra = step(state, slice(start, start + a))
+    steps = split_steps(layout, *per_chunk) if per_chunk else [()] * len(layout.active)
+    for j, (a, pieces) in enumerate(zip(layout.active, steps)):
+        state, extra = step(state, *pieces)
         extras.append(extra)
         nxt = layout.active[j + 1] if j + 1 < len(layout.active) else 0
         if nxt < a:

@@ -125,11 +125,11 @@ def chunk_linear_attention(
     dS = (kc * torch.exp(last - G)[..., None]).transpose(-1, -2) @ vc  # [M, H, K, V]
     decay_last = torch.exp(last)[..., None]  # [M, H, 1, 1]
 
-    def step(S, sl):
-        return S * decay_last[sl] + dS[sl], S
+    def step(S, dl, ds):
+        return S * dl + ds, S
 
     h0 = qc.new_zeros(N, H, K, V) if initial_state is None else layout.to_rank_order(initial_state.to(cdt))
-    extras, final = run_chunk_steps(layout, h0, step)
+    extras, final = run_chunk_steps(layout, h0, step, decay_last, dS)
     if extras:
         h_before = torch.cat(extras, dim=0)
         o = (qc * torch.exp(G)[..., None]) @ h_before + o_intra
