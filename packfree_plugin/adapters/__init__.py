@@ -5,16 +5,28 @@ from __future__ import annotations
 from torch import nn
 
 from .model import apply_model_hook, boundaries_for_call, remove_model_hook
+from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
-__all__ = ["apply", "apply_model_hook", "boundaries_for_call", "remove_model_hook"]
+__all__ = [
+    "MixerAdapter",
+    "apply",
+    "apply_model_hook",
+    "boundaries_for_call",
+    "check_coverage",
+    "register_adapter",
+    "remove_model_hook",
+    "wrap_mixers",
+]
 
 
 def apply(model: nn.Module) -> nn.Module:
     """Prepare ``model`` for packed batches (idempotent) and return it.
 
-    Switches a model loaded with another attention implementation to ``"packfree"`` and hooks every
-    ``PreTrainedModel`` in it so that each forward builds its boundaries once. Called automatically for
-    models loaded with ``attn_implementation="packfree"``.
+    Switches a model loaded with another attention implementation to ``"packfree"``, hooks every
+    ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence
+    mixer (GDN, Mamba, conv, ...) its boundary adapter. Raises ``ValueError`` naming any layer that looks
+    like a sequence mixer but has no adapter. Called automatically for models loaded with
+    ``attn_implementation="packfree"``.
     """
     from ..registration import ATTN_IMPLEMENTATION, register
 
@@ -23,5 +35,7 @@ def apply(model: nn.Module) -> nn.Module:
     current = getattr(config, "_attn_implementation", None)
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    check_coverage(model)
+    wrap_mixers(model)
     apply_model_hook(model)
     return model

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention import active_boundaries
 from ..boundaries import Boundaries
@@ -92,13 +93,22 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     return boundaries
 
 
+def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
+    tokens = arguments.get("input_ids")
+    if tokens is None:
+        tokens = arguments.get("inputs_embeds")
+    return isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == (boundaries.batch_size, boundaries.seq_len)
+
+
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     signature, takes_kwargs = _forward_parameters(type(module))
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is None:
         bound = signature.bind_partial(module, *args, **kwargs).arguments
         arguments = {**bound.pop("kwargs", {}), **bound}
-        boundaries = boundaries_for_call(arguments)
+        outer = active_boundaries.get()
+        # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
+        boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
         if boundaries is not None:
             if boundaries.is_packed and "use_cache" in signature.parameters and "use_cache" not in bound:
                 kwargs["use_cache"] = False
@@ -110,6 +120,13 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return args, kwargs
 
 
+def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Decoder layers re-publish the boundaries they were called with, so that mixers inside find them
+    also when gradient checkpointing recomputes the layer during backward (outside the model forward)."""
+    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(kwargs.get("packfree_boundaries",
+                                                                                          active_boundaries.get())))
+
+
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     tokens = module.__dict__.get(_TOKENS_ATTR)
     if tokens:
@@ -117,16 +134,23 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Non
 
 
 def apply_model_hook(model: nn.Module) -> int:
-    """Hook every ``PreTrainedModel`` in ``model`` (idempotent); returns how many were newly hooked."""
+    """Hook every ``PreTrainedModel`` and decoder layer in ``model`` (idempotent); returns how many were new."""
     hooked = 0
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not hasattr(module, _HANDLES_ATTR):
-            handles = (
-                module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-                module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
-            )
-            setattr(module, _HANDLES_ATTR, handles)
-            hooked += 1
+        if hasattr(module, _HANDLES_ATTR):
+            continue
+        if isinstance(module, PreTrainedModel):
+            pre_hook = _pre_hook
+        elif isinstance(module, GradientCheckpointingLayer):
+            pre_hook = _layer_pre_hook
+        else:
+            continue
+        handles = (
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+        )
+        setattr(module, _HANDLES_ATTR, handles)
+        hooked += 1
     return hooked
 
 
