@@ -110,9 +110,8 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
         # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
         boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
         if boundaries is not None:
-            if boundaries.is_packed and "use_cache" in signature.parameters and "use_cache" not in bound:
-                kwargs["use_cache"] = False
-            elif boundaries.is_packed and "use_cache" in bound:
+            given_positionally = "use_cache" in bound and "use_cache" not in kwargs
+            if boundaries.is_packed and not given_positionally and ("use_cache" in signature.parameters or takes_kwargs):
                 kwargs["use_cache"] = False
             if takes_kwargs:
                 kwargs["packfree_boundaries"] = boundaries
