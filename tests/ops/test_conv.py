@@ -36,8 +36,10 @@ def test_packed_matches_per_sample(kit, data):
     if B == 1 and data.draw(st.booleans(), label="cu_seqlens"):
         kw = {"cu_seqlens": kit.cu_seqlens_of(rows[0], data.draw(st.sampled_from([torch.int32, torch.int64])))}
     tiny_tiles = data.draw(st.booleans(), label="tiny_tiles")  # many tiles of 4K tokens
-    saved = conv_masked._TILE_BYTES
-    conv_masked._TILE_BYTES = 1 if tiny_tiles else saved
+    dense = data.draw(st.booleans(), label="dense_masks")  # the no-host-sync path of non-CPU devices
+    saved = conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU
+    conv_masked._TILE_BYTES = 1 if tiny_tiles else saved[0]
+    conv_masked._SPARSE_ON_CPU = not dense
     try:
         out = causal_conv1d(x, w, b, activation=act, backend="torch", **kw)
         ref = kit.per_sample(lambda xs: causal_conv1d_naive(xs, w, b, activation=act), rows, [(x, 1)], 1)
@@ -49,7 +51,7 @@ def test_packed_matches_per_sample(kit, data):
         s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
         kit.assert_isolated(out, 1, seq_idx, {"x": (x, 1)}, r, s)
     finally:
-        conv_masked._TILE_BYTES = saved
+        conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU = saved
 
 
 def test_no_boundaries_is_plain_causal_conv(kit):

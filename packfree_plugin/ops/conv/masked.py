@@ -1,15 +1,22 @@
 """Pure-torch packed causal depthwise conv1d, channel-last ``[B, T, C]``.
 
-A width-K causal conv is K shifted multiply-adds along T. Tap ``s`` (reading token ``t - s``) is
-multiplied by a mask that is 0 exactly where ``t - s`` lies in an earlier sample, so samples never
-see each other, forward or backward: masked taps contribute exact zeros (no subtracted correction).
+A width-K causal conv is K shifted multiply-adds along T. Only the first K-1 tokens of each sample
+("boundary rows") have taps that would reach into the previous sample, so:
 
-Speed on CPU: the op is a dozen elementwise passes, memory-bound. Streaming a ``[T, C]`` row
-through DRAM a dozen times is slower than looping over samples that fit in cache, so the row is
-processed in cache-sized tiles of tokens (about ``_TILE_BYTES`` per temporary), every pass of a tile
-done before the next tile; tiles without a boundary skip the masks. The number of tiles depends on
-``T * C``, never on the number of samples. The backward is written by hand and recomputes the
-pre-activation per tile instead of storing it.
+* forward: every tile is computed as an unsplit conv, then the boundary rows are recomputed from
+  their in-sample taps only and overwritten (not corrected by subtraction);
+* backward: the boundary rows' output gradients are zeroed before the unmasked shifted
+  multiply-adds, and their valid taps are added back sparsely.
+
+Taps that cross a boundary therefore contribute exact zeros, forward and backward, and the dense
+work is that of the unsplit conv plus O(samples * K) gathered rows. On devices other than the CPU
+the boundary rows are found without a host sync by multiplying every tap by a ``[B, T, 1]`` mask
+instead (same result, more passes).
+
+Speed on CPU: the op is a dozen elementwise passes, memory-bound; streaming a ``[T, C]`` row
+through DRAM a dozen times loses to looping over samples that fit in cache, so the row is
+processed in cache-sized tiles of tokens (about ``_TILE_BYTES`` per temporary), every pass of a
+tile done before the next. The number of tiles depends on ``T * C``, never on the sample count.
 """
 
 from __future__ import annotations
@@ -19,9 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._seq import first_token_mask
-
 _TILE_BYTES = 1 << 19
+_SPARSE_ON_CPU = True  # tests set False to run the dense-mask path (what other devices use) on CPU
 
 
 def _tile_len(x: Tensor, K: int) -> int:
@@ -29,48 +35,66 @@ def _tile_len(x: Tensor, K: int) -> int:
     return max(4 * K, min(x.shape[1], _TILE_BYTES // max(per_token, 1)))
 
 
-def _tile_flags(seq_idx: Tensor | None, T: int, tile: int, K: int) -> list[bool]:
-    """Per tile: does any tap of a token in ``[t0, t0 + tile + K - 1)`` cross a boundary?"""
-    n_tiles = (T + tile - 1) // tile
-    if seq_idx is None:
-        return [False] * n_tiles
-    if seq_idx.device.type != "cpu":  # a host sync per call is not worth it there: mask every tile
-        return [True] * n_tiles
-    starts = first_token_mask(seq_idx).any(0)
-    starts[0] = False
-    count = torch.cumsum(starts.to(torch.int64), 0)
-    lo = torch.arange(n_tiles) * tile
-    hi = torch.clamp(lo + tile + K - 1, max=T) - 1
-    before = torch.where(lo > 0, count[torch.clamp(lo - 1, min=0)], torch.zeros_like(lo))
-    return (count[hi] > before).tolist()
+class _Boundary:
+    """Where taps cross a sample start. ``sparse``: the boundary rows (CPU); else dense tap masks."""
+
+    def __init__(self, seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype):
+        self.none = seq_idx is None or K == 1
+        self.sparse = not self.none and seq_idx.device.type == "cpu" and _SPARSE_ON_CPU
+        self.masks: list[Tensor | None] = [None] * K
+        if self.none:
+            return
+        if not self.sparse:  # masks[s][:, t] = 1 where token t + s shares token t's sample
+            for s in range(1, K):
+                self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1).to(dtype)
+            return
+        # rows t >= 1 whose sample started less than K - 1 tokens ago: pos(t) = t - start(t)
+        Bsz = seq_idx.shape[0]
+        ar = torch.arange(T).expand(Bsz, T)
+        first = torch.ones_like(seq_idx, dtype=torch.bool)
+        first[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        start = torch.cummax(torch.where(first, ar, torch.zeros_like(ar)), dim=1).values
+        pos = ar - start
+        rows = ((pos < K - 1) & (start > 0)).nonzero()  # [R, 2] (b, t), sorted by b then t
+        self.b, self.t = rows[:, 0], rows[:, 1]
+        self.pos = pos[self.b, self.t]
+        taps = torch.arange(K)
+        self.src_t = (self.t[:, None] - taps).clamp(min=0)  # [R, K]: token read by tap s
+        self.valid = taps[None, :] <= self.pos[:, None]  # [R, K]: tap s stays in the sample
+
+    def split_by_tile(self, tile: int, T: int, K: int) -> None:
+        """``self.tiles[i]`` = (b, t) of the boundary rows whose gradient tile i reads: t in
+        ``[t0, t1 + K - 1)``."""
+        self.tiles = []
+        for t0 in range(0, T, tile):
+            sel = (self.t >= t0) & (self.t < min(t0 + tile + K - 1, T))
+            self.tiles.append((self.b[sel], self.t[sel] - t0) if bool(sel.any()) else None)
+
+    def recompute(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Pre-activation of the boundary rows from their in-sample taps only: ``[R, C]``."""
+        xs = x[self.b[:, None], self.src_t]  # [R, K, C]
+        w = weight.flip(1).T  # [K, C]: w[s] multiplies x[t - s]
+        out = (xs * w * self.valid[..., None].to(x.dtype)).sum(1)
+        return out + bias if bias is not None else out
 
 
-def _masks(seq_idx: Tensor | None, K: int, dtype: torch.dtype) -> list[Tensor | None]:
-    """``masks[s][:, t]`` = 1 where token ``t + s`` and token ``t`` share a sample (``[B, T-s, 1]``)."""
-    out: list[Tensor | None] = [None]
-    for s in range(1, K):
-        out.append(None if seq_idx is None else
-                   (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1).to(dtype))
-    return out
-
-
-def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, masks: list[Tensor | None], t0: int,
-         t1: int, use_mask: bool, out: Tensor | None = None) -> Tensor:
-    """Pre-activation of tokens ``[t0, t1)`` (into ``out`` if given)."""
+def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int, t1: int,
+         out: Tensor) -> Tensor:
+    """Pre-activation of tokens ``[t0, t1)`` into ``out``."""
     K = weight.shape[1]
-    pre = torch.mul(x[:, t0:t1], weight[:, K - 1], out=out) if out is not None \
-        else x[:, t0:t1] * weight[:, K - 1]
     if bias is not None:
-        pre.add_(bias)
+        torch.addcmul(bias, x[:, t0:t1], weight[:, K - 1], out=out)
+    else:
+        torch.mul(x[:, t0:t1], weight[:, K - 1], out=out)
     for s in range(1, K):
         lo = max(t0, s)  # first token with a source s steps back
         if lo >= t1:
             break
         src = x[:, lo - s : t1 - s]
-        if use_mask:
-            src = src * masks[s][:, lo - s : t1 - s]
-        pre[:, lo - t0 :].addcmul_(src, weight[:, K - 1 - s])
-    return pre
+        if bnd.masks[s] is not None:
+            src = src * bnd.masks[s][:, lo - s : t1 - s]
+        out[:, lo - t0 :].addcmul_(src, weight[:, K - 1 - s])
+    return out
 
 
 class _MaskedCausalConv1d(torch.autograd.Function):
@@ -79,55 +103,85 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 silu: bool) -> Tensor:
         T, K = x.shape[1], weight.shape[1]
         tile = _tile_len(x, K)
-        flags = _tile_flags(seq_idx, T, tile, K)
-        masks = _masks(seq_idx, K, x.dtype)
-        out = torch.empty_like(x)
-        for i, t0 in enumerate(range(0, T, tile)):
+        bnd = _Boundary(seq_idx, T, K, x.dtype)
+        pre = torch.empty_like(x)
+        out = torch.empty_like(x) if silu else pre
+        for t0 in range(0, T, tile):
             t1 = min(t0 + tile, T)
-            o = _pre(x, weight, bias, masks, t0, t1, flags[i], out=out[:, t0:t1])
+            p = _pre(x, weight, bias, bnd, t0, t1, out=pre[:, t0:t1])
             if silu:
-                F.silu(o, inplace=True)
-        ctx.silu, ctx.has_bias, ctx.tile, ctx.flags = silu, bias is not None, tile, flags
-        ctx.save_for_backward(x, weight, bias, seq_idx)
+                torch.ops.aten.silu.out(p, out=out[:, t0:t1])
+        if bnd.sparse and bnd.t.numel():  # overwrite the boundary rows with their in-sample value
+            fixed = bnd.recompute(x, weight, bias)
+            pre[bnd.b, bnd.t] = fixed
+            if silu:
+                out[bnd.b, bnd.t] = F.silu(fixed)
+            bnd.split_by_tile(tile, T, K)
+        ctx.silu, ctx.has_bias, ctx.tile, ctx.bnd = silu, bias is not None, tile, bnd
+        ctx.save_for_backward(x, weight, pre if silu else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        x, weight, bias, seq_idx = ctx.saved_tensors
+        x, weight, pre = ctx.saved_tensors
+        bnd: _Boundary = ctx.bnd
         T, K = x.shape[1], weight.shape[1]
-        tile, flags = ctx.tile, ctx.flags
-        masks = _masks(seq_idx, K, x.dtype)
+        tile = ctx.tile
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(x) if need_x else None
-        grad_wt = torch.zeros(K, x.shape[2], dtype=x.dtype, device=x.device) if need_w else None
-        grad_b = torch.zeros_like(bias) if (need_b and ctx.has_bias) else None
-        for i, t0 in enumerate(range(0, T, tile)):
+        # weight / bias gradients accumulate per token slot of a tile (one fused addcmul_ per tap),
+        # reduced over the slots once at the end
+        acc_w = x.new_zeros(K, x.shape[0], min(tile, T), x.shape[2]) if need_w else None
+        acc_b = x.new_zeros(x.shape[0], min(tile, T), x.shape[2]) if (need_b and ctx.has_bias) else None
+
+        def g_pre(t0: int, t1: int) -> Tensor:  # gradient w.r.t. the pre-activation, a fresh tensor
+            g = grad_out[:, t0:t1]
+            return torch.ops.aten.silu_backward(g, pre[:, t0:t1]) if ctx.silu else g.clone()
+
+        for t0 in range(0, T, tile):
             t1 = min(t0 + tile, T)
             e = min(t1 + K - 1, T)  # outputs that read tokens of this tile
-            use_mask = flags[i]
-            g = grad_out[:, t0:e]
-            if ctx.silu:
-                g = torch.ops.aten.silu_backward(g, _pre(x, weight, bias, masks, t0, e, use_mask))
             n = t1 - t0
+            g = g_pre(t0, e)
             xt = x[:, t0:t1]
+            # tap 0 never crosses a boundary
             if need_x:
                 torch.mul(g[:, :n], weight[:, K - 1], out=grad_x[:, t0:t1])
             if need_w:
-                grad_wt[K - 1] += (g[:, :n] * xt).sum((0, 1))
-            if grad_b is not None:
-                grad_b += g[:, :n].sum((0, 1))
+                acc_w[K - 1, :, :n].addcmul_(g[:, :n], xt)
+            if acc_b is not None:
+                acc_b[:, :n].add_(g[:, :n])
+            if bnd.sparse and bnd.t.numel():  # boundary rows leave the dense taps (added back below)
+                rows = bnd.tiles[t0 // tile]
+                if rows is not None:
+                    g[rows] = 0
             for s in range(1, K):
                 m = min(n, e - t0 - s)  # tokens t of the tile whose output t + s exists
                 if m <= 0:
                     break
                 gs = g[:, s : s + m]
-                if use_mask:
-                    gs = gs * masks[s][:, t0 : t0 + m]
+                if bnd.masks[s] is not None:
+                    gs = gs * bnd.masks[s][:, t0 : t0 + m]
                 if need_x:
                     grad_x[:, t0 : t0 + m].addcmul_(gs, weight[:, K - 1 - s])
                 if need_w:
-                    grad_wt[K - 1 - s] += (gs * xt[:, :m]).sum((0, 1))
+                    acc_w[K - 1 - s, :, :m].addcmul_(gs, xt[:, :m])
+        grad_wt = acc_w.sum((1, 2)) if need_w else None
+        grad_b = acc_b.sum((0, 1)) if acc_b is not None else None
+        if bnd.sparse and bnd.t.numel():
+            gb = grad_out[bnd.b, bnd.t]  # [R, C]
+            if ctx.silu:
+                gb = torch.ops.aten.silu_backward(gb, pre[bnd.b, bnd.t])
+            keep = bnd.valid[:, 1:, None].to(x.dtype)  # taps s >= 1 inside the sample
+            g_taps = gb[:, None, :] * keep  # [R, K-1, C]
+            if need_x:
+                w = weight[:, : K - 1].flip(1).T  # [K-1, C]: w[s-1] multiplies x[t - s]
+                flat = (bnd.b[:, None] * T + bnd.src_t[:, 1:]).reshape(-1)
+                grad_x.view(-1, x.shape[2]).index_add_(0, flat, (g_taps * w).reshape(-1, x.shape[2]))
+            if need_w:
+                xs = x[bnd.b[:, None], bnd.src_t[:, 1:]]  # [R, K-1, C]
+                grad_wt[: K - 1] += (g_taps * xs).sum(0).flip(0)
         grad_w = grad_wt.T.contiguous() if need_w else None
         return grad_x, grad_w, grad_b, None, None
 
