@@ -37,11 +37,11 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
 @cache
-def _forward_parameters(cls: type) -> tuple[inspect.Signature, bool]:
-    """Signature of ``cls.forward`` and whether it takes ``**kwargs``."""
+def _forward_parameters(cls: type) -> tuple[inspect.Signature, str | None]:
+    """Signature of ``cls.forward`` and the name of its ``**kwargs`` parameter (None if it has none)."""
     signature = inspect.signature(cls.forward)
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    return signature, takes_kwargs
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    return signature, var_keyword
 
 
 def _cache_holds_tokens(past: Any) -> bool:
@@ -101,11 +101,12 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    signature, takes_kwargs = _forward_parameters(type(module))
+    signature, var_keyword = _forward_parameters(type(module))
+    takes_kwargs = var_keyword is not None
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is None:
         bound = signature.bind_partial(module, *args, **kwargs).arguments
-        arguments = {**bound.pop("kwargs", {}), **bound}
+        arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
         outer = active_boundaries.get()
         # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
         boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
