@@ -1,0 +1,240 @@
+"""The native tier: route packed boundaries into the kernel functions transformers' mixers already call.
+
+transformers 5.24 builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed
+set of module-level kernel functions, each declared with
+``@use_kernel_func_from_hub_with_fallback("<kernel name>", "<package>")`` (``causal_conv1d_fn``,
+``chunk_gated_delta_rule``, ``chunk_kda``, ``mamba_chunk_scan_combined``, ``selective_scan_fn``, ...).
+:func:`install_routes` wraps those functions in a modeling module with a router. Outside a packfree
+native call the router is transparent (it calls the original). Inside one (:func:`native_forward`), it
+calls packfree's boundary-aware op instead, which takes the boundaries from the active
+:class:`Boundaries` and itself picks the CUDA kernel (causal-conv1d, mamba-ssm, fla) when present.
+
+Rules that keep this from ever being silently wrong:
+
+- fused whole-layer kernels (``mamba_inner_fn``, ``mamba_split_conv1d_scan_combined``) return None under
+  packing, so the layer takes its split path, where each step is routed;
+- decoding kernels (``*_update``, ``fused_recurrent_*``) and any cache state raise;
+- a native call in which the layer routed no kernel at all raises: the layer mixes tokens some other
+  way and must use the generic tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from contextvars import ContextVar
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..boundaries import Boundaries
+
+__all__ = ["ROUTED_KERNELS", "install_routes", "native_forward", "uninstall_routes"]
+
+_DECLARATION = re.compile(
+    r'@use_kernel_func_from_hub_with_fallback\(\s*"(?P<kernel>\w+)"[^)]*\)\s*\ndef (?P<function>\w+)\('
+)
+_ROUTED_ATTR = "_packfree_routed_original"
+
+
+class _NativeCall:
+    """State of one native layer call: its boundaries and how many kernels it routed."""
+
+    def __init__(self, boundaries: Boundaries, layer_name: str) -> None:
+        self.boundaries = boundaries
+        self.layer_name = layer_name
+        self.routed = 0
+
+
+_ACTIVE: ContextVar[_NativeCall | None] = ContextVar("packfree_native_call", default=None)
+
+
+# ------------------------------------------------------------------------------------------ routes
+
+def _conv(call: _NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
+    """transformers' ``causal_conv1d_fn``: ``[B, C, T]`` in and out."""
+    from ..ops.conv import causal_conv1d
+
+    x = hidden_states.to(weight.dtype).transpose(1, 2)
+    out = causal_conv1d(x, weight, bias, activation=activation, seq_idx=call.boundaries.seq_idx)
+    return out.transpose(1, 2).to(hidden_states.dtype)
+
+
+def _refuse_state(call: _NativeCall, kernel: str, **states: Any) -> None:
+    given = [name for name, value in states.items() if value not in (None, False)]
+    if given:
+        raise ValueError(f"{call.layer_name}: {kernel} got {', '.join(given)} in a packed batch (no cache allowed)")
+
+
+def _gated_delta(call: _NativeCall, query, key, value, g, beta, chunk_size=64, initial_state=None,
+                 output_final_state=False, use_qk_l2norm_in_kernel=False, scale=None, **_: Any):
+    from ..ops.gated_delta import chunk_gated_delta_rule
+
+    _refuse_state(call, "chunk_gated_delta_rule", initial_state=initial_state, output_final_state=output_final_state)
+    query, key = _value_heads(query, key, value)
+    return _flattened(call, chunk_gated_delta_rule, query, key, value, g, beta, scale=scale,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _kda(call: _NativeCall, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+         use_qk_l2norm_in_kernel=False, **_: Any):
+    from ..ops.gated_delta import chunk_kda
+
+    _refuse_state(call, "chunk_kda", initial_state=initial_state, output_final_state=output_final_state)
+    q, k = _value_heads(q, k, v)
+    return _flattened(call, chunk_kda, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _value_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped value heads (more value than key heads, ``[B, T, H, D]``): repeat q/k heads as transformers does."""
+    repeat = value.shape[2] // key.shape[2]
+    if repeat == 1:
+        return query, key
+    return query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+
+
+def _flattened(call: _NativeCall, op: Callable, *tensors: torch.Tensor, **options: Any):
+    """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows."""
+    batch, seq_len = tensors[0].shape[:2]
+    flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
+    out, _ = op(*flat, cu_seqlens=call.boundaries.cu_seqlens, **options)
+    return out.reshape(batch, seq_len, *out.shape[2:]), None
+
+
+def _ssd(call: _NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+         dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **_: Any):
+    """transformers' ``mamba_chunk_scan_combined``: ``x [B, T, H, P]``."""
+    from ..ops.ssd import ssd_chunk_scan
+
+    _refuse_state(call, "mamba_chunk_scan_combined", initial_states=initial_states,
+                  return_final_states=return_final_states)
+    return ssd_chunk_scan(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                          dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), seq_idx=call.boundaries.seq_idx)
+
+
+def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+                    delta_softplus=False, return_last_state=False, **_: Any):
+    """transformers' ``selective_scan_fn``: ``u [B, D, T]``."""
+    from ..ops.selective_scan import selective_scan
+
+    _refuse_state(call, "selective_scan_fn", return_last_state=return_last_state)
+    return selective_scan(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                          seq_idx=call.boundaries.seq_idx)
+
+
+def _unfused(call: _NativeCall, *args: Any, **kwargs: Any) -> None:
+    """Fused whole-layer kernels: decline, so the layer runs its routed split path."""
+    call.routed -= 1  # declining is not routing
+    return None
+
+
+def _decode_only(kernel: str) -> Callable:
+    def refuse(call: _NativeCall, *args: Any, **kwargs: Any):
+        raise ValueError(f"{call.layer_name} called the decoding kernel {kernel} on a packed batch")
+
+    return refuse
+
+
+ROUTED_KERNELS: dict[str, Callable] = {
+    "causal_conv1d_fn": _conv,
+    "chunk_gated_delta_rule": _gated_delta,
+    "chunk_kda": _kda,
+    "mamba_chunk_scan_combined": _ssd,
+    "selective_scan_fn": _selective_scan,
+    "mamba_inner_fn": _unfused,
+    "mamba_split_conv1d_scan_combined": _unfused,
+    "causal_conv1d_update": _decode_only("causal_conv1d_update"),
+    "selective_state_update": _decode_only("selective_state_update"),
+    "fused_recurrent_gated_delta_rule": _decode_only("fused_recurrent_gated_delta_rule"),
+    "fused_recurrent_kda": _decode_only("fused_recurrent_kda"),
+}
+"""transformers kernel name -> packfree route ``(call, *args, **kwargs)`` with the kernel's call convention."""
+
+
+# ------------------------------------------------------------------------------------ installation
+@functools.cache
+def _declared_kernels(module_name: str) -> tuple[tuple[str, str], ...]:
+    """``(kernel name, function name)`` pairs declared in a modeling module's source."""
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (OSError, TypeError, KeyError):
+        return ()
+    return tuple((m["kernel"], m["function"]) for m in _DECLARATION.finditer(source))
+
+
+def _router(kernel: str, original: Callable) -> Callable:
+    route = ROUTED_KERNELS[kernel]
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any):
+        call = _ACTIVE.get()
+        if call is None:
+            return original(*args, **kwargs)
+        call.routed += 1
+        return route(call, *args, **kwargs)
+
+    setattr(routed, _ROUTED_ATTR, original)
+    return routed
+
+
+def install_routes(module: ModuleType) -> list[str]:
+    """Wrap every routed kernel function declared in ``module`` (idempotent); returns their kernel names."""
+    installed = []
+    for kernel, function in _declared_kernels(module.__name__):
+        current = getattr(module, function, None)
+        if kernel not in ROUTED_KERNELS or current is None:
+            continue
+        if not hasattr(current, _ROUTED_ATTR):
+            setattr(module, function, _router(kernel, current))
+        installed.append(kernel)
+    return installed
+
+
+def uninstall_routes() -> None:
+    """Restore every routed function in every loaded modeling module."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for _, function in _declared_kernels(name):
+            current = getattr(module, function, None)
+            if current is not None and hasattr(current, _ROUTED_ATTR):
+                setattr(module, function, getattr(current, _ROUTED_ATTR))
+
+
+def routed_kernels_of(layer: nn.Module) -> list[str]:
+    """Kernel names the layer's modeling module declares and packfree routes (installing the routes)."""
+    module = sys.modules.get(type(layer).__module__)
+    return install_routes(module) if module is not None else []
+
+
+def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries, arguments: dict[str, Any],
+                   *, hidden_arg: str = "hidden_states") -> Any:
+    """Run ``layer``'s own forward on the packed batch with its kernel calls routed to packfree's ops."""
+    arguments = dict(arguments)
+    extra = arguments.pop("kwargs", {})
+    for name in ("cache", "cache_params", "past_key_values", "attention_mask"):
+        if arguments.get(name) is not None:
+            if name == "attention_mask":
+                arguments[name] = None  # padding lives in the boundaries (padding segments)
+            else:
+                raise ValueError(f"{type(layer).__name__}: a cache was passed with a packed batch")
+    extra = {k: v for k, v in extra.items() if k not in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k",
+                                                         "max_length_q", "max_length_k", "packfree_boundaries")}
+    routed_kernels_of(layer)
+    call = _NativeCall(boundaries, type(layer).__name__)
+    token = _ACTIVE.set(call)
+    try:
+        out = original(**arguments, **extra)
+    finally:
+        _ACTIVE.reset(token)
+    if call.routed <= 0:
+        raise ValueError(
+            f"{type(layer).__name__} routed none of its sequence mixing through a known kernel function; "
+            "it needs the generic tier"
+        )
+    return out
