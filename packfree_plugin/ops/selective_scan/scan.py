@@ -107,6 +107,83 @@ def linear_scan(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
     return _LinearScan.apply(a.contiguous(), b.contiguous(), h0)
 
 
+class _SelectiveScanBlock(torch.autograd.Function):
+    """One block of tokens, fused: ``a = exp(delta A)`` (0 at the reset rows), ``b = delta u B``,
+    ``h = scan(a, b, h0)``, ``y = C . h``. Saves only h; a and b are recomputed in the backward.
+
+    State layout ``[B, t, G, N, D/G]`` (channels innermost): every reduction over N is then a
+    middle-dimension sum over contiguous channels, which is what the CPU does fastest.
+    """
+
+    @staticmethod
+    def forward(ctx, dT: Tensor, du: Tensor, A_l: Tensor, Bt: Tensor, Ct: Tensor, h0: Tensor | None,
+                resets: tuple[Tensor, Tensor] | Tensor | None):
+        # dT, du: [B, t, D]; A_l: [G, N, D/G]; Bt, Ct: [B, t, G, N]; h0: [B, G*N*D/G]
+        dT, du, Bt, Ct = dT.contiguous(), du.contiguous(), Bt.contiguous(), Ct.contiguous()
+        a = _decay(dT, A_l, resets)
+        b = _drive(du, Bt)
+        h = _scan(a, b, h0)
+        y = _read(h, Ct)
+        ctx.resets = resets
+        ctx.save_for_backward(dT, du, A_l, Bt, Ct, h0, h)
+        return y, h[:, -1].clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy: Tensor, gh_last: Tensor | None):
+        dT, du, A_l, Bt, Ct, h0, h = ctx.saved_tensors
+        Bsz, tb, Dm = dT.shape
+        G, N, Dg = A_l.shape
+        gy5 = gy.contiguous().view(Bsz, tb, G, 1, Dg)
+        a = _decay(dT, A_l, ctx.resets)  # [B, t, F]
+        # dL/dh from the read-out (and from the carried last state), then back through the scan:
+        # g_t = gh_t + a_{t+1} g_{t+1}
+        gh = (gy5 * Ct[..., None]).view(Bsz, tb, -1)
+        if gh_last is not None:
+            gh[:, -1] += gh_last
+        a_next = torch.empty_like(a)
+        a_next[:, :-1] = a[:, 1:]
+        a_next[:, -1] = 0
+        g = _scan(a_next, gh, reverse=True)  # = dL/db
+        # dL/d(delta A) = g_t h_{t-1} a_t  (exactly 0 where a was zeroed)
+        gl = torch.empty_like(a)
+        torch.mul(g[:, 1:], h[:, :-1], out=gl[:, 1:])
+        if h0 is not None:
+            torch.mul(g[:, 0], h0, out=gl[:, 0])
+        else:
+            gl[:, 0] = 0
+        gl.mul_(a)
+        shape5 = (Bsz, tb, G, N, Dg)
+        gl5, g5, h5 = gl.view(shape5), g.reshape(shape5), h.reshape(shape5)
+        grad_dT = (gl5 * A_l).sum(3).view(Bsz, tb, Dm)
+        grad_A = (gl5 * dT.view(Bsz, tb, G, 1, Dg)).sum((0, 1))
+        grad_du = (g5 * Bt[..., None]).sum(3).view(Bsz, tb, Dm)
+        grad_B = (g5 * du.view(Bsz, tb, G, 1, Dg)).sum(-1)
+        grad_C = (h5 * gy5).sum(-1)
+        grad_h0 = g[:, 0] * a[:, 0] if h0 is not None else None
+        return grad_dT, grad_du, grad_A, grad_B, grad_C, grad_h0, None
+
+
+def _decay(dT: Tensor, A_l: Tensor, resets) -> Tensor:
+    Bsz, tb, Dm = dT.shape
+    G, N, Dg = A_l.shape
+    a = torch.mul(dT.view(Bsz, tb, G, 1, Dg), A_l).exp_()  # [B, t, G, N, D/G]
+    if resets is not None:
+        a[resets] = 0  # the state restarts at these (b, t): exact zeros, no dense mask
+    return a.view(Bsz, tb, -1)
+
+
+def _drive(du: Tensor, Bt: Tensor) -> Tensor:
+    Bsz, tb, Dm = du.shape
+    G = Bt.shape[2]
+    return (du.view(Bsz, tb, G, 1, Dm // G) * Bt[..., None]).view(Bsz, tb, -1)
+
+
+def _read(h: Tensor, Ct: Tensor) -> Tensor:
+    Bsz, tb, G, N = Ct.shape
+    return (h.reshape(Bsz, tb, G, N, -1) * Ct[..., None]).sum(3).view(Bsz, tb, -1)
+
+
 def selective_scan_chunked(
     u: Tensor,
     delta: Tensor,
@@ -133,33 +210,32 @@ def selective_scan_chunked(
         delta = delta + delta_bias.to(cdt)[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    # time-major [B, T, D, N] so that the scan walks the outer dimension, one block of tokens at a
-    # time: a block's [tokens, D, N] tensors stay in cache through all the passes over them (and
-    # again in the backward); the state is carried from block to block.
+    # time-major, one block of tokens at a time: a block's [tokens, D, N] tensors stay in cache
+    # through all the passes over them (and again in the backward); the state is carried from
+    # block to block. Only h is stored for the backward.
     G = 1 if B.dim() == 3 else B.shape[1]
     dT = delta.transpose(1, 2).contiguous()  # [B, T, D]
-    duT = (dT * u.transpose(1, 2)).view(Bsz, T, G, Dm // G, 1)
-    Bt = B.view(Bsz, G, 1, N, T).permute(0, 4, 1, 2, 3)  # [B, T, G, 1, N]
-    Ct = C.view(Bsz, G, 1, N, T).permute(0, 4, 1, 2, 3)
-    keep = None
-    if seq_idx is not None:
-        keep = torch.ones(Bsz, T, 1, 1, dtype=cdt, device=u.device)
-        keep[:, 1:, 0, 0] = (seq_idx[:, 1:] == seq_idx[:, :-1]).to(cdt)  # 0: the state restarts
+    duT = dT * u.transpose(1, 2)
+    Bt = B.reshape(Bsz, G, N, T).permute(0, 3, 1, 2).contiguous()  # [B, T, G, N]
+    Ct = C.reshape(Bsz, G, N, T).permute(0, 3, 1, 2).contiguous()
+    A_l = A.view(G, Dm // G, N).transpose(1, 2).contiguous()  # [G, N, D/G]
     blk = _block_len(Bsz * Dm * N * torch.finfo(cdt).bits // 8, T)
+    starts = None
+    if seq_idx is not None:
+        first = torch.zeros_like(seq_idx, dtype=torch.bool)
+        first[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        starts = first.split(blk, dim=1)
     # split (not slicing in a loop): the backward concatenates once
     parts = [t.split(blk, dim=1) for t in (dT, duT, Bt, Ct)]
-    keeps = keep.split(blk, dim=1) if keep is not None else [None] * len(parts[0])
     h_last = None
     ys = []
-    for d_b, du_b, B_b, C_b, k_b in zip(*parts, keeps):
-        tb = d_b.shape[1]
-        a = torch.exp(d_b[..., None] * A)  # [B, tb, D, N]
-        if k_b is not None:
-            a = a * k_b
-        b = du_b * B_b  # [B, tb, G, D/G, N]
-        h = linear_scan(a.view(Bsz, tb, Dm * N), b.view(Bsz, tb, Dm * N), h_last)
-        h_last = h[:, -1]
-        ys.append((h.view(Bsz, tb, G, Dm // G, N) * C_b).sum(-1).view(Bsz, tb, Dm))
+    for i, (d_b, du_b, B_b, C_b) in enumerate(zip(*parts)):
+        resets = None
+        if starts is not None:
+            idx = starts[i].nonzero(as_tuple=True) if starts[i].device.type == "cpu" else starts[i]
+            resets = idx if (not isinstance(idx, tuple) or idx[0].numel()) else None
+        y_b, h_last = _SelectiveScanBlock.apply(d_b, du_b, A_l, B_b, C_b, h_last, resets)
+        ys.append(y_b)
     y = torch.cat(ys, dim=1).transpose(1, 2)  # [B, D, T]
     if D is not None:
         y = y + u * D.to(cdt)[:, None]
