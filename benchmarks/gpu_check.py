@@ -3,7 +3,9 @@
 For every fused varlen attention backend that loads here, a packed bf16 batch (16 samples of skewed
 lengths, causal, GQA, with and without a sliding window) is run through it and through packfree's
 portable path on the CPU in float32; the table gives the max difference and the fwd+bwd time against
-the portable path on the same GPU. A tiny Llama then runs a packed row end to end on the GPU with
+the portable path on the same GPU. Each mixer op's CUDA route (causal-conv1d,
+fla GDN/KDA, mamba-ssm SSD; whichever installs) is compared with packfree's torch path on the same
+packed inputs and timed against it. A tiny Llama then runs a packed row end to end on the GPU with
 ``attn_implementation="packfree"`` and is compared with each sample alone. Every check reports its own
 failure instead of stopping the script. Prints Markdown; exit code 1 if any available check fails.
 """
@@ -71,6 +73,72 @@ def attention_rows(tokens: int = 8192) -> list[dict]:
     return rows
 
 
+def _op_cases(tokens: int) -> list[tuple[str, object]]:
+    """``(name, make)`` where ``make(backend) -> output`` runs one packed op on fresh CUDA inputs."""
+    from packfree_plugin.ops.conv import causal_conv1d
+    from packfree_plugin.ops.gated_delta import chunk_gated_delta_rule, chunk_kda
+    from packfree_plugin.ops.ssd import ssd_chunk_scan
+
+    lengths = skewed_lengths(tokens)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device="cuda", dtype=torch.int32),
+                                      torch.tensor(lengths, device="cuda"))[None]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype).requires_grad_()
+
+    def conv(backend):
+        x, w, b = rand(1, tokens, 1024), rand(1024, 4, scale=0.3), rand(1024, scale=0.1)
+        return causal_conv1d(x, w, b, activation="silu", seq_idx=seq_idx, backend=backend)
+
+    def gdn(backend):
+        q, k, v = rand(1, tokens, 8, 128), rand(1, tokens, 8, 128), rand(1, tokens, 8, 128)
+        gate = -torch.rand(1, tokens, 8, device="cuda", generator=g).requires_grad_()
+        beta = torch.rand(1, tokens, 8, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        return chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                      backend=backend)[0]
+
+    def kda(backend):
+        q, k, v = rand(1, tokens, 8, 128), rand(1, tokens, 8, 128), rand(1, tokens, 8, 128)
+        gate = (-torch.rand(1, tokens, 8, 128, device="cuda", generator=g) * 0.1).requires_grad_()
+        beta = torch.rand(1, tokens, 8, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        return chunk_kda(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, backend=backend)[0]
+
+    def ssd(backend):
+        x = rand(1, tokens, 16, 64)
+        dt = rand(1, tokens, 16, dtype=torch.float32, scale=0.5)
+        a = (-torch.rand(16, device="cuda", generator=g)).requires_grad_()
+        b, c = rand(1, tokens, 1, 64), rand(1, tokens, 1, 64)
+        return ssd_chunk_scan(x, dt, a, b, c, chunk_size=128, dt_softplus=True, seq_idx=seq_idx, backend=backend)
+
+    return [("causal-conv1d (conv, seq_idx)", conv), ("fla chunk_gated_delta_rule (cu_seqlens)", gdn),
+            ("fla chunk_kda (cu_seqlens)", kda), ("mamba-ssm mamba_chunk_scan_combined (seq_idx)", ssd)]
+
+
+def op_rows(tokens: int = 8192) -> list[dict]:
+    """Each CUDA kernel route against packfree's torch path on the same packed inputs (same seeds)."""
+    rows = []
+    for name, make in _op_cases(tokens):
+        row = {"check": name, "tokens": tokens}
+        try:
+            reference = make("torch")
+            try:
+                routed = make("kernel")
+            except ValueError as missing:
+                rows.append(row | {"status": f"not installed ({missing})"[:120]})
+                continue
+            diff = (routed.float() - reference.float()).abs().max().item()
+            scale = reference.float().abs().max().item()
+            torch_s = _timed(lambda: make("torch").float().sum().backward())
+            kernel_s = _timed(lambda: make("kernel").float().sum().backward())
+            rows.append(row | {"status": "ok" if diff <= 3e-2 * max(scale, 1.0) else "MISMATCH", "max_diff": diff,
+                               "ms": kernel_s * 1e3, "x_portable_time": kernel_s / torch_s})
+        except Exception as error:  # noqa: BLE001 - report and go on
+            rows.append(row | {"status": f"error: {error!r}"[:200]})
+    return rows
+
+
 def model_row() -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -97,7 +165,7 @@ def main() -> int:
         return 0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    for check in (attention_rows, model_row):
+    for check in (attention_rows, op_rows, model_row):
         try:
             result = check()
             rows.extend(result if isinstance(result, list) else [result])
