@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 BOUNDARY_DOC = """\
-Boundaries (give one of them, or neither for a single unsplit sequence per row):
-        cu_seqlens: ``[N+1]`` int32 or int64, on the data's device. Cumulative sample offsets of a
-            flattened row: ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``. B must
+cu_seqlens: ``[N+1]`` int32 or int64, on the data's device: cumulative sample offsets of a
+            flattened row, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``. B must
             be 1 (N = number of samples, T = total tokens of the row).
-        seq_idx: ``[B, T]`` int32, on the data's device. Sample index of every token, non-negative
-            and non-decreasing along T; a new sample starts wherever the value changes. Rows are
-            independent (B may be > 1).
-        If both are given they must describe the same split. Shapes and dtypes are always checked;
-        values (ordering, ranges) are checked when the tensors live on the CPU or when
-        ``validate=True`` (on an accelerator that check would cost a host sync)."""
+        seq_idx: ``[B, T]`` int32, on the data's device: sample index of every token, non-negative
+            and non-decreasing along T; a new sample starts wherever the value changes (rows are
+            independent, B may be > 1). Give cu_seqlens or seq_idx, or neither for one unsplit
+            sequence per row; if both are given they must describe the same split.
+        validate: check boundary values (ordering, ranges, agreement). Default None: only for CPU
+            tensors, since on an accelerator the check costs a host sync. Shapes, dtypes and
+            devices are always checked; every violation raises ValueError naming the values."""
 
 _F = TypeVar("_F", bound=Callable)
 
