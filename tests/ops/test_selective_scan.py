@@ -45,13 +45,15 @@ def test_packed_matches_per_sample(kit, data):
     bounds = {"seq_idx": seq_idx}
     if Bsz == 1 and data.draw(st.booleans(), label="cu_seqlens"):
         bounds = {"cu_seqlens": kit.cu_seqlens_of(rows[0])}
-    saved = ss_scan._BLOCK_BYTES
-    ss_scan._BLOCK_BYTES = 1 if small_blocks else saved
+    dense = data.draw(st.booleans(), label="dense_resets")  # the no-host-sync path of other devices
+    saved = ss_scan._BLOCK_BYTES, ss_scan._SPARSE_ON_CPU
+    ss_scan._BLOCK_BYTES = 1 if small_blocks else saved[0]
+    ss_scan._SPARSE_ON_CPU = not dense
     try:
         out = selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"],
                              delta_bias=t["delta_bias"], delta_softplus=softplus, **bounds)
     finally:
-        ss_scan._BLOCK_BYTES = saved
+        ss_scan._BLOCK_BYTES, ss_scan._SPARSE_ON_CPU = saved
     shared = dict(D=t["D"], delta_bias=t["delta_bias"], delta_softplus=softplus)
     bc_dim = t["B"].dim() - 1
     ref = kit.per_sample(

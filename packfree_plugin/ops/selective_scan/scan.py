@@ -1,18 +1,23 @@
 """Pure-torch chunked selective scan (Mamba1) over packed rows.
 
-The recurrence ``h_t = a_t * h_{t-1} + b_t`` runs on ``[B, T, D*N]`` with ``a_t = exp(delta_t A)``
-set to exactly 0 at every sample start, so no state (and no gradient) crosses a boundary. Mamba1's
-A is per channel *and* per state, so the SSD matmul form does not apply and the ``[T, D, N]``
-states are materialised, as mamba_ssm's own reference does.
+The recurrence ``h_t = a_t * h_{t-1} + b_t`` runs on ``[B, T, D*N]`` states with
+``a_t = exp(delta_t A)`` set to exactly 0 at every sample start, so no state (and no gradient)
+crosses a boundary. Mamba1's A is per channel *and* per state, so the SSD matmul form does not
+apply and the ``[T, D, N]`` states are materialised, as mamba_ssm's own reference does.
 
-The linear scan is a custom autograd function with a blocked algorithm: T is cut into chunks of
-about sqrt(T) tokens; (1) a loop over the positions of a chunk, vectorised across all chunks,
-scans every chunk from zero and accumulates the chunk's running decay product; (2) a loop over
-chunks carries the end states; (3) one fused pass adds ``decay_product * carried_state``. That is
-~2 sqrt(T) small Python steps rather than T, and only products of a's are ever formed (no
-log-space division), so a zero decay stays an exact zero. The backward is the same scan run
-backwards over time: ``g_t = grad_t + a_{t+1} g_{t+1}``, ``grad_b = g``, ``grad_a = g_t h_{t-1}``.
-"""
+Layers of the fast path:
+
+* tokens are processed in blocks of about ``_BLOCK_BYTES`` of state (64 tokens at D=512, N=16),
+  the last state carried from block to block, so each block's tensors stay in cache through all
+  their passes; the block count depends on T, never on the number of samples;
+* each block is one fused autograd function (decay, drive, scan, read-out; only h is saved);
+* the scan inside a block (:func:`_scan`) is chunked: (1) a loop over the positions of a chunk,
+  vectorised across all chunks, scans every chunk from zero and keeps its running decay product;
+  (2) a loop over chunks carries the end states; (3) one pass adds ``product * carried state``.
+  That is ~2 sqrt(block) small Python steps per block instead of one per token, and only products
+  of a's are ever formed (no log-space division), so a zero decay stays an exact zero. The
+  backward is the same scan run backwards in time: ``g_t = grad_t + a_{t+1} g_{t+1}``.
+""""""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 
 _BLOCK_BYTES = 1 << 21
+_SPARSE_ON_CPU = True  # tests set False to run the masked path (what other devices use) on CPU
 
 
 def _block_len(bytes_per_token: int, T: int) -> int:
@@ -168,8 +174,10 @@ def _decay(dT: Tensor, A_l: Tensor, resets) -> Tensor:
     Bsz, tb, Dm = dT.shape
     G, N, Dg = A_l.shape
     a = torch.mul(dT.view(Bsz, tb, G, 1, Dg), A_l).exp_()  # [B, t, G, N, D/G]
-    if resets is not None:
-        a[resets] = 0  # the state restarts at these (b, t): exact zeros, no dense mask
+    if isinstance(resets, Tensor):  # [B, t] bool (no host sync): one masked pass
+        a.masked_fill_(resets[:, :, None, None, None], 0.0)
+    elif resets is not None:  # (b, t) indices: the state restarts there, exact zeros, no dense pass
+        a[resets] = 0
     return a.view(Bsz, tb, -1)
 
 
@@ -232,8 +240,11 @@ def selective_scan_chunked(
     for i, (d_b, du_b, B_b, C_b) in enumerate(zip(*parts)):
         resets = None
         if starts is not None:
-            idx = starts[i].nonzero(as_tuple=True) if starts[i].device.type == "cpu" else starts[i]
-            resets = idx if (not isinstance(idx, tuple) or idx[0].numel()) else None
+            if starts[i].device.type == "cpu" and _SPARSE_ON_CPU:
+                idx = starts[i].nonzero(as_tuple=True)
+                resets = idx if idx[0].numel() else None
+            else:
+                resets = starts[i]
         y_b, h_last = _SelectiveScanBlock.apply(d_b, du_b, A_l, B_b, C_b, h_last, resets)
         ys.append(y_b)
     y = torch.cat(ys, dim=1).transpose(1, 2)  # [B, D, T]
