@@ -17,7 +17,7 @@ Layers of the fast path:
   That is ~2 sqrt(block) small Python steps per block instead of one per token, and only products
   of a's are ever formed (no log-space division), so a zero decay stays an exact zero. The
   backward is the same scan run backwards in time: ``g_t = grad_t + a_{t+1} g_{t+1}``.
-""""""
+"""
 
 from __future__ import annotations
 
