@@ -58,7 +58,8 @@ def ssd_chunked(
         Cs = F.pad(C, (0, 0, 0, 0, 0, pad))
     seq = None
     if seq_idx is not None:
-        seq = F.pad(seq_idx, (0, pad), mode="replicate") if pad else seq_idx
+        # padded tokens join the last sample (integer replicate-padding is not on every device)
+        seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
         seq = seq.view(Bsz, nc, L)
 
     # head-major layout [b, g, r, c, l, *] (H = G * R heads, head h reads group h // R): one copy of
