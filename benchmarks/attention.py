@@ -6,6 +6,10 @@ Three ways to train on the same samples, side by side, in one run:
 - ``sdpa-packed``: one packed row with ``position_ids``, stock ``sdpa`` (builds an N x N mask);
 - ``per-sample``: stock ``sdpa``, each sample alone, one after the other (the correctness floor).
 
+The same three are also timed for the attention call alone (``attn-*``: one layer's q/k/v, 16 query
+heads, 4 key/value heads, head dim 64), where the dense mask's cost is not diluted by the rest of the
+model.
+
 Each case runs in its own subprocess so its peak resident memory (``ru_maxrss``) is its own; the
 reported memory is that peak minus the process's memory after the model was built. Run with
 ``python -m benchmarks.attention [--quick]``; ``nox -s bench`` runs it with the other benchmarks.
@@ -21,7 +25,7 @@ import subprocess
 import sys
 import time
 
-METHODS = ("packfree", "sdpa-packed", "per-sample")
+METHODS = ("packfree", "sdpa-packed", "per-sample", "attn-packfree", "attn-sdpa-packed", "attn-per-sample")
 SIZES = (2048, 8192, 32768)
 SAMPLES = 16
 DENSE_MASK_LIMIT = 16384
@@ -64,6 +68,8 @@ def run_case(method: str, tokens: int, repeats: int) -> dict:
 
     torch.set_num_threads(2)
     lengths = skewed_lengths(tokens)
+    if method.startswith("attn-"):
+        return _attention_case(method, lengths, repeats)
     model = build_model("packfree" if method == "packfree" else "sdpa")
     ids = torch.randint(3, 2048, (1, tokens), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -87,9 +93,54 @@ def run_case(method: str, tokens: int, repeats: int) -> dict:
             "peak_extra_mib": _rss_mib() - baseline}
 
 
+def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
+    """fwd+bwd of one attention call over the packed samples (see module docstring)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import find_packed_sequence_indices, sdpa_mask, packed_sequence_mask_function, and_masks, causal_mask_function
+
+    from packfree_plugin.attention import AttentionOptions, run_packed_attention
+    from packfree_plugin.boundaries import Boundaries
+
+    tokens = sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator) for heads in (16, 4, 4))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    baseline = _rss_mib()
+
+    def step() -> None:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        if method == "attn-packfree":
+            out = run_packed_attention(qq, kk, vv, Boundaries.from_position_ids(positions),
+                                       AttentionOptions(scale=0.125, causal=True))
+        elif method == "attn-sdpa-packed":  # what stock transformers builds from packed position_ids
+            segments = find_packed_sequence_indices(positions)
+            mask = sdpa_mask(batch_size=1, q_length=tokens, kv_length=tokens,
+                             mask_function=and_masks(causal_mask_function, packed_sequence_mask_function(segments)),
+                             allow_is_causal_skip=False)
+            out = sdpa_attention_forward(module, qq, kk, vv, mask, scaling=0.125)[0]
+        else:
+            out = torch.cat([
+                sdpa_attention_forward(module, a, b, c, None, scaling=0.125)[0]
+                for a, b, c in zip(qq.split(lengths, 2), kk.split(lengths, 2), vv.split(lengths, 2))
+            ], dim=1)
+        out.square().mean().backward()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": statistics.median(times),
+            "peak_extra_mib": _rss_mib() - baseline}
+
+
 def measure(method: str, tokens: int, repeats: int) -> dict:
     """Run one case in a fresh subprocess (own peak memory)."""
-    if method == "sdpa-packed" and tokens > DENSE_MASK_LIMIT:
+    if method.endswith("sdpa-packed") and tokens > DENSE_MASK_LIMIT:
         return {"method": method, "tokens": tokens, "samples": SAMPLES, "seconds": None, "peak_extra_mib": None,
                 "note": f"not run: the dense {tokens}x{tokens} path needs tens of GiB"}
     out = subprocess.run(
@@ -105,8 +156,8 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     for tokens in sizes:
         cases = {method: measure(method, tokens, repeats) for method in METHODS}
-        packfree = cases["packfree"]
         for method, case in cases.items():
+            packfree = cases["attn-packfree" if method.startswith("attn-") else "packfree"]
             if case["seconds"] is not None:
                 case["time_vs_packfree"] = case["seconds"] / packfree["seconds"]
             rows.append(case)

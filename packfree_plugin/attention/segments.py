@@ -36,23 +36,23 @@ def segment_attention(
 
     ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
     """
-    seq_len = boundaries.seq_len
-    rows: list[list[torch.Tensor]] = [[] for _ in range(boundaries.batch_size)]
+    row_lengths: list[list[tuple[int, bool]]] = [[] for _ in range(boundaries.batch_size)]
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
-        row, begin = divmod(start, seq_len)
-        end = begin + length
-        if padding:
-            rows[row].append(query.new_zeros(1, query.shape[1], length, value.shape[-1]))
-            continue
-        # 4-D [1, H, L, D] views: CPU SDPA takes its fused (flash) kernel only for 4-D inputs
-        rows[row].append(
-            _one_segment(
-                query[row : row + 1, :, begin:end], key[row : row + 1, :, begin:end],
-                value[row : row + 1, :, begin:end], options, training=training, query_block=query_block,
-            )
-        )
-    out = torch.cat([torch.cat(parts, dim=2) for parts in rows])
-    return out.transpose(1, 2).contiguous()
+        row_lengths[start // boundaries.seq_len].append((length, padding))
+    rows = []
+    # torch.split (not slicing) so that backward assembles each gradient with one cat instead of
+    # one full-size zero tensor per segment; 4-D [1, H, L, D] pieces so CPU SDPA takes its flash kernel.
+    for q_row, k_row, v_row, segments in zip(query.split(1), key.split(1), value.split(1), row_lengths):
+        lengths = [length for length, _ in segments]
+        parts = []
+        for q, k, v, (length, padding) in zip(q_row.split(lengths, dim=2), k_row.split(lengths, dim=2),
+                                              v_row.split(lengths, dim=2), segments):
+            if padding:
+                parts.append(query.new_zeros(1, query.shape[1], length, value.shape[-1]))
+            else:
+                parts.append(_one_segment(q, k, v, options, training=training, query_block=query_block))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous()
 
 
 def _one_segment(
