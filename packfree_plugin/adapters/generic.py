@@ -10,6 +10,7 @@ reach them. Padding segments of the packed batch get zeros. Differentiable end t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,39 +38,81 @@ def length_buckets(lengths: list[int], *, max_waste: float = 0.25) -> list[list[
     return buckets
 
 
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in _leaves(item)]
+    return []
+
+
+def _map(tree: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return function(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map(item, function) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _map(item, function) for key, item in tree.items()}
+    return tree
+
+
 def run_unpacked(
-    run: Callable[[torch.Tensor], torch.Tensor],
-    hidden_states: torch.Tensor,
+    run: Callable[[Any], Any],
+    hidden_states: Any,
     boundaries: Boundaries,
     *,
     max_waste: float = 0.25,
-) -> torch.Tensor:
-    """``run([n, L, C]) -> [n, L, C']`` applied per sample; ``hidden_states [B, T, C]`` -> ``[B, T, C']``."""
-    batch, seq_len = hidden_states.shape[:2]
-    if (batch, seq_len) != (boundaries.batch_size, boundaries.seq_len):
-        raise ValueError(
-            f"hidden states [B={batch}, T={seq_len}] do not match the packed boundaries "
-            f"[B={boundaries.batch_size}, T={boundaries.seq_len}]"
-        )
-    flat = hidden_states.reshape(batch * seq_len, *hidden_states.shape[2:])
-    # one extra zero row that padded positions gather from
-    source = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+) -> Any:
+    """``run(inputs [n, L, ...]) -> outputs [n, L, ...]`` applied per sample; ``[B, T, ...]`` -> ``[B, T, ...]``.
+
+    ``hidden_states`` is a tensor ``[B, T, C]`` or a tuple/list/dict of them (e.g. hidden states together with
+    ``input_ids`` or per-token ``(cos, sin)``); a leaf ``[1, T, ...]`` is shared by every row. ``run`` gets the
+    same structure for each right-padded group of samples and returns a tensor or a tuple (entries may be None);
+    the result has that structure with every tensor scattered back into packed order.
+    """
+    batch, seq_len = boundaries.batch_size, boundaries.seq_len
+    for leaf in _leaves(hidden_states):
+        if leaf.ndim < 2 or leaf.shape[1] != seq_len or leaf.shape[0] not in (1, batch):
+            raise ValueError(
+                f"per-token input of shape {list(leaf.shape)} does not match the packed boundaries "
+                f"[B={batch}, T={seq_len}]"
+            )
+    device = _leaves(hidden_states)[0].device
+
+    def with_zero_row(leaf: torch.Tensor) -> torch.Tensor:
+        # one extra zero row that padded positions gather from
+        flat = leaf.expand(batch, *leaf.shape[1:]).reshape(batch * seq_len, *leaf.shape[2:])
+        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+
+    sources = _map(hidden_states, with_zero_row)
     samples = [(start, length) for start, length, pad in
                zip(boundaries.offsets, boundaries.lengths, boundaries.padding) if not pad]
-    outputs, destinations = [], []
+    if not samples:
+        raise ValueError("the packed batch holds only padding")
+    outputs, keeps, destinations = [], [], []
     for bucket in length_buckets([length for _, length in samples], max_waste=max_waste):
         longest = samples[bucket[0]][1]
         index = torch.full((len(bucket), longest), batch * seq_len, dtype=torch.long)
         for row, sample in enumerate(bucket):
             start, length = samples[sample]
             index[row, :length] = torch.arange(start, start + length)
-        index = index.to(hidden_states.device)
-        out = run(source[index])
+        index = index.to(device)
+        out = run(_map(sources, lambda source: source[index]))
         keep = index < batch * seq_len
-        outputs.append(out[keep])
+        outputs.append(out)
+        keeps.append(keep)
         destinations.append(index[keep])
-    if not outputs:
-        raise ValueError("the packed batch holds only padding")
-    gathered = torch.cat(outputs)
-    result = gathered.new_zeros(batch * seq_len, *gathered.shape[1:]).index_copy(0, torch.cat(destinations), gathered)
-    return result.view(batch, seq_len, *gathered.shape[1:])
+    where = torch.cat(destinations)
+
+    def scatter(pieces: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if any(piece is None for piece in pieces):
+            return None
+        gathered = torch.cat([piece[keep] for piece, keep in zip(pieces, keeps)])
+        result = gathered.new_zeros(batch * seq_len, *gathered.shape[1:]).index_copy(0, where, gathered)
+        return result.view(batch, seq_len, *gathered.shape[1:])
+
+    if isinstance(outputs[0], tuple):
+        return tuple(scatter([out[i] for out in outputs]) for i in range(len(outputs[0])))
+    return scatter(outputs)

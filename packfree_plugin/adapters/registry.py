@@ -14,6 +14,7 @@ the recomputation of gradient checkpointing). Native adapters read ``boundaries.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 from collections.abc import Callable
@@ -27,13 +28,14 @@ from ..attention import active_boundaries
 from ..boundaries import Boundaries
 from .generic import run_unpacked
 
-__all__ = ["MixerAdapter", "REGISTRY", "register_adapter", "wrap_mixers", "unwrap_mixers", "check_coverage"]
+__all__ = ["MixerAdapter", "REGISTRY", "check_coverage", "dense_causal_mask", "positions_per_sample", "register_adapter",
+           "unwrap_mixers", "wrap_mixers"]
 
 _ORIGINAL_FORWARD = "_packfree_original_forward"
 
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
 _CLEARED_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state", "attention_mask",
-                       "cache_position", "mask")
+                       "cache_position", "mask", "conv_mask")
 _DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
                    "packfree_boundaries", "use_cache")
 
@@ -47,18 +49,36 @@ class MixerAdapter:
 
     ``class_names``: transformers layer classes covered. ``native``: a boundary-aware implementation
     (None: the generic unpack-run-repack tier). ``hidden_arg``: the forward's input argument.
-    ``output_index``: None when the forward returns the hidden states, else their index in the returned
-    tuple (the other entries, recurrent states, come back as None). ``per_sample``: extra arguments
-    the layer needs when run on one right-padded sample batch, from ``(num_samples, length, device)``.
+    ``token_args``: further per-token arguments (``[B, T, ...]`` tensors or tuples/dicts of them, e.g.
+    ``input_ids`` or the ``(cos, sin)`` position embeddings) unpacked together with ``hidden_arg``.
+    ``output_index``: None when the forward returns the per-token output, else its index (or indices) in
+    the returned tuple (the other entries, recurrent states or attention weights, come back as None).
+    ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch, from
+    ``(num_samples, length, device)``.
+
+    ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
+    passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
+    attention function cannot serve: the stock implementation (``"sdpa"`` or ``"eager"``) the layer runs
+    with. Whenever boundaries are active (training, scoring, prefill; packed or not) the layer runs per
+    sample with a dense causal (and sliding-window, from the layer's ``sliding_window``) mask per group
+    (unless ``attention_mask`` is one of ``token_args``: a layer that takes a 2-D padding mask gets it per sample);
+    when decoding from a cache it gets transformers' own mask. Either way its attention calls resolve to
+    that stock implementation, so the layer computes exactly what stock transformers computes.
     """
 
     family: str
     class_names: tuple[str, ...]
     native: NativeRun | None = None
     hidden_arg: str = "hidden_states"
-    output_index: int | None = None
+    token_args: tuple[str, ...] = ()
+    output_index: int | tuple[int, ...] | None = None
     per_sample: Callable[[int, int, torch.device], dict[str, Any]] | None = None
+    attention: str | None = None
     notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in (None, "sdpa", "eager"):
+            raise ValueError(f"attention must be None, 'sdpa' or 'eager', not {self.attention!r}")
 
     @property
     def tier(self) -> str:
@@ -82,34 +102,95 @@ def positions_per_sample(num_samples: int, length: int, device: torch.device) ->
     return {"position_ids": torch.arange(length, device=device).expand(num_samples, length)}
 
 
+def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
+                      additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[n, 1, L, L]`` causal mask of a right-padded sample batch (True / 0.0 where a query may attend).
+
+    ``window``: transformers' sliding window (a query sees the ``window`` most recent keys, itself included).
+    ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
+    """
+    query = torch.arange(length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed = allowed & (key > query - window)
+    allowed = allowed.expand(num_samples, 1, length, length)
+    if additive_dtype is None:
+        return allowed
+    return torch.zeros((), dtype=additive_dtype, device=device).masked_fill(~allowed, torch.finfo(additive_dtype).min)
+
+
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
     parameters = inspect.signature(original).parameters
     extra = dict(arguments.pop("kwargs", {}))
     for name in _DROPPED_KWARGS:
         extra.pop(name, None)
-    fixed = {name: value for name, value in arguments.items() if name != adapter.hidden_arg}
+    token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
+    fixed = {name: value for name, value in arguments.items() if name not in token_names}
     for name in _CLEARED_PARAMETERS:
         if name in parameters:
             fixed[name] = None
     if "use_cache" in parameters:
         fixed["use_cache"] = False
+    indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
+    returned = []  # how many entries the layer's own output tuple has
 
-    def run(samples: torch.Tensor) -> torch.Tensor:
-        call = {**fixed, **extra, adapter.hidden_arg: samples}
+    def run(tokens: tuple) -> Any:
+        samples = tokens[0]
+        call = {**fixed, **extra, **dict(zip(token_names, tokens))}
         if adapter.per_sample is not None:
             call.update(adapter.per_sample(samples.shape[0], samples.shape[1], samples.device))
+        if adapter.attention is not None and "attention_mask" not in token_names:
+            call["attention_mask"] = dense_causal_mask(
+                samples.shape[0], samples.shape[1], samples.device, window=getattr(layer, "sliding_window", None),
+                additive_dtype=samples.dtype if adapter.attention == "eager" else None)
         out = original(**{k: v for k, v in call.items() if k in parameters or _takes_kwargs(parameters)})
-        return out if adapter.output_index is None else out[adapter.output_index]
+        if indices is None:
+            return out
+        returned[:] = [len(out)]
+        return tuple(out[i] for i in indices)
 
-    hidden = run_unpacked(run, arguments[adapter.hidden_arg], boundaries)
-    if adapter.output_index is None:
+    tokens = tuple(arguments[name] for name in token_names)
+    hidden = run_unpacked(run, tokens, boundaries)
+    if indices is None:
         return hidden
-    return tuple(hidden if i == adapter.output_index else None for i in range(adapter.output_index + 1))
+    by_index = dict(zip(indices, hidden))
+    return tuple(by_index.get(i) for i in range(returned[0]))
 
 
 def _takes_kwargs(parameters) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+class _StockAttention:
+    """Within ``with``: ``layer.config`` resolves attention calls to a stock implementation."""
+
+    def __init__(self, layer: nn.Module, implementation: str) -> None:
+        self.layer = layer
+        self.saved = layer.__dict__.get("config")
+        stock = layer.__dict__.get("_packfree_stock_config")
+        if stock is None or stock._attn_implementation != implementation:
+            stock = copy.copy(layer.config)
+            stock._attn_implementation_internal = implementation
+            layer.__dict__["_packfree_stock_config"] = stock
+        self.stock = stock
+
+    def __enter__(self) -> None:
+        self.layer.__dict__["config"] = self.stock
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is None:
+            self.layer.__dict__.pop("config", None)
+        else:
+            self.layer.__dict__["config"] = self.saved
+
+
+def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
+    """Transformers' ``sdpa`` mask (bool or None) in the form ``implementation`` expects."""
+    if implementation == "eager" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
 
 
 def _packed_forward(layer: nn.Module, adapter: MixerAdapter) -> Callable:
@@ -119,6 +200,8 @@ def _packed_forward(layer: nn.Module, adapter: MixerAdapter) -> Callable:
 
     def forward(*args, **kwargs):
         boundaries = active_boundaries.get()
+        if adapter.attention is not None:
+            return attention_forward(boundaries, *args, **kwargs)
         if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
             return original(*args, **kwargs)
         arguments = dict(signature.bind(*args, **kwargs).arguments)
@@ -128,6 +211,19 @@ def _packed_forward(layer: nn.Module, adapter: MixerAdapter) -> Callable:
         if native is not None:
             return native(layer, original, boundaries, arguments)
         return _generic(adapter, layer, original, boundaries, arguments)
+
+    def attention_forward(boundaries: Boundaries | None, *args, **kwargs):
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        hidden = arguments[adapter.hidden_arg]
+        with _StockAttention(layer, adapter.attention):
+            if boundaries is not None and tuple(hidden.shape[:2]) == (boundaries.batch_size, boundaries.seq_len):
+                return _generic(adapter, layer, original, boundaries, arguments)
+            if isinstance(arguments.get("attention_mask"), Boundaries):
+                raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
+            if "attention_mask" in arguments:
+                arguments["attention_mask"] = _stock_mask(arguments["attention_mask"], adapter.attention, hidden.dtype)
+            extra = arguments.pop("kwargs", {})
+            return original(**arguments, **extra)
 
     return forward
 
@@ -169,7 +265,8 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
 
 
 def check_coverage(model: nn.Module) -> None:
-    """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it."""
+    """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
+    packfree knows it cannot run exactly (:data:`.families.REFUSED`)."""
     from . import families  # noqa: F401  (fills REGISTRY)
 
     covered: set[str] = set()
@@ -182,6 +279,13 @@ def check_coverage(model: nn.Module) -> None:
             covered.add(path)
         elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             unknown.add(name)
+    refused = sorted({type(module).__name__ for module in model.modules()} & families.REFUSED.keys())
+    if refused:
+        raise ValueError(
+            "packfree cannot run these layers exactly on packed rows: "
+            + "; ".join(f"{name} ({families.REFUSED[name]})" for name in refused)
+            + ". Load the model without packfree, or pass one sample per row"
+        )
     if unknown:
         raise ValueError(
             f"packfree has no boundary adapter for {', '.join(sorted(unknown))}: these layers carry information "

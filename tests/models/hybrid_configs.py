@@ -1,0 +1,137 @@
+"""One tiny config per hybrid / recurrent model type: every layer kind of the model, hidden <= 64, vocab 128."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_BASE = dict(hidden_size=64, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    # ---------------------------------------------------------------- Gated DeltaNet
+    "qwen3_next": dict(**_BASE, **_ATTN, **_GDN, **_MOE, num_hidden_layers=2, intermediate_size=64,
+                       layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(**_BASE, **_ATTN, **_GDN, num_hidden_layers=2, intermediate_size=64,
+                         layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(**_BASE, **_ATTN, **_GDN, **_MOE, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp_text": dict(**_BASE, **_ATTN, **_GDN, **_MOE, num_hidden_layers=3,
+                           layer_types=["linear_attention", "linear_attention", "indexed_attention"], hc_count=2, hc_lowrank=8,
+                           ple_layer_ids=[2], ple_embed_dim=32, ple_conv_kernel_size=4, ngram_size=3,
+                           heads_per_ngram=2, ngram_vocab_size_base=512, make_ngram_vocab_size_divisible_by=8,
+                           split_ngram_parts=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                           indexer_budget=4, indexer_compress_ratio=2),
+    "olmo_hybrid": dict(**_BASE, num_attention_heads=4, num_key_value_heads=2, **_GDN, num_hidden_layers=2,
+                        intermediate_size=64, layer_types=["linear_attention", "full_attention"]),
+    "lara_mini": dict(**_BASE, **_ATTN, **_GDN, **_MOE, num_hidden_layers=3, sliding_window=4,
+                      layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+    # ---------------------------------------------------------------- KDA
+    "kimi_linear": dict(**_BASE, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                        intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_token=2,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        linear_head_dim=16, linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
+                        mlp_layer_types=["dense", "sparse"]),
+    "bailing_hybrid": dict(**_BASE, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                           intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_token=2,
+                           num_expert_group=1, topk_group=1, first_k_dense_replace=1, head_dim=16,
+                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           linear_head_dim=16, linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
+                           mlp_layer_types=["dense", "sparse"], num_nextn_predict_layers=0),
+    "glm5_next_text": dict(**_BASE, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                           intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                           kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=4,
+                           index_head_dim=16, index_n_heads=2, linear_head_dim=16, linear_num_heads=4, hc_mult=2,
+                           index_kpool=2, layer_types=["linear_attention", "indexed_attention"],
+                           mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"]),
+    # ---------------------------------------------------------------- Mamba2 / SSD
+    "mamba2": dict(**_BASE, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1,
+                   chunk_size=8, expand=2),
+    "bamba": dict(**_BASE, **{k: v for k, v in _ATTN.items() if k != "head_dim"}, num_hidden_layers=2,
+                  intermediate_size=64, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+                  mamba_d_state=16, mamba_chunk_size=8),
+    "falcon_h1": dict(**_BASE, **_ATTN, num_hidden_layers=2, intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8,
+                      mamba_d_head=8, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8),
+    "granitemoehybrid": dict(**_BASE, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                             intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=32, layer_types=["mamba", "attention"], mamba_n_heads=8,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8),
+    "nemotron_h": dict(**_BASE, **_ATTN, layers_block_type=["mamba", "moe", "attention", "mlp"],
+                       intermediate_size=64, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                       chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32),
+    "zamba2": dict(**_BASE, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=16,
+                   n_mamba_heads=4, mamba_headdim=32, chunk_size=8, num_attention_heads=4, num_key_value_heads=4,
+                   intermediate_size=64, attention_head_dim=32),
+    # ---------------------------------------------------------------- Mamba1
+    "mamba": dict(**_BASE, num_hidden_layers=2, state_size=8, time_step_rank=8, intermediate_size=128),
+    "falcon_mamba": dict(**_BASE, num_hidden_layers=2, state_size=8, time_step_rank=8, intermediate_size=128),
+    "jamba": dict(**_BASE, **{k: v for k, v in _ATTN.items() if k != "head_dim"}, num_hidden_layers=2,
+                  intermediate_size=64, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                  expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                  mamba_dt_rank=8, use_mamba_kernels=False),
+    "zamba": dict(**_BASE, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], attention_hidden_size=128, intermediate_size=64,
+                  num_attention_heads=4, num_key_value_heads=4, attention_head_dim=32, n_mamba_heads=2,
+                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8,
+                  use_mamba_kernels=False),
+    # ---------------------------------------------------------------- short / causal conv
+    "lfm2": dict(**_BASE, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+                 layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(**_BASE, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                     intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    "lfm3": dict(**_BASE, **_ATTN, num_hidden_layers=3, intermediate_size=64, sliding_window=4,
+                 layer_types=["conv", "full_attention", "sliding_attention"]),
+    "inkling_text": dict(**_BASE, **_ATTN, num_hidden_layers=2, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                         swa_head_dim=16, sliding_window_size=4, d_rel=4, rel_extent=16,
+                         layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"],
+                         intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1),
+    "inkling2_text": dict(**_BASE, **_ATTN, num_hidden_layers=2, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=4, rel_extent=16,
+                          layer_types=["hybrid_sliding", "hybrid"], moe_intermediate_size=32, n_routed_experts=4,
+                          num_experts_per_tok=2, n_layers_per_attn_res_block=1, unpadded_vocab_size=128),
+    "inkling2_loop_text": dict(**_BASE, **_ATTN, num_hidden_layers=3, swa_num_attention_heads=4,
+                               swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=4,
+                               rel_extent=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                               n_layers_per_attn_res_block=1, unpadded_vocab_size=128, loop_layer_index_start=1,
+                               loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=4),
+    "zaya": dict(**_BASE, **_ATTN, num_hidden_layers=2, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=1, layer_types=["hybrid", "hybrid_sliding"], sliding_window=4,
+                 router_hidden_size=16),
+    # ---------------------------------------------------------------- other
+    "minimax": dict(**_BASE, **_ATTN, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], block_size=4),
+    "rwkv": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                 intermediate_size=128, context_length=64, bos_token_id=1, eos_token_id=2),
+    "recurrent_gemma": dict(**_BASE, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=16, lru_width=64, attention_window_size=8,
+                            block_types=["recurrent", "attention", "recurrent"]),
+    "xlstm": dict(vocab_size=128, hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2, num_heads=4,
+                  chunk_size=4, mode="inference", autocast_kernel_dtype="float32",
+                  inference_state_dtype="float32", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "deepseek_v4": dict(**_BASE, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                        q_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        qk_rope_head_dim=8, hc_mult=2, o_groups=2, o_lora_rank=16, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, sliding_window=4, num_nextn_predict_layers=0,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                     "sliding_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"]),
+    "minimax_m3_vl_text": dict(**_BASE, **_ATTN, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
+                               num_experts_per_tok=2, dense_intermediate_size=64, shared_intermediate_size=32,
+                               rotary_dim=8, index_n_heads=2, index_head_dim=16, index_block_size=2,
+                               index_topk_blocks=2, index_local_blocks=1, mlp_layer_types=["dense", "sparse"],
+                               layer_types=["full_attention", "minimax_m3_sparse"]),
+}
+"""Model type -> config overrides. Every layer kind of the model appears at least once."""
+
+
+def hybrid_config(model_type: str):
+    """A fresh tiny config for ``model_type`` (never shared: loading sets its attention implementation)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **HYBRID_CONFIGS[model_type])
