@@ -1,13 +1,15 @@
 """One declarative entry per family of sequence mixers (see :mod:`.registry`).
 
 Every entry runs the layer's own forward per sample (the generic tier) unless it names a native
-implementation. Classes listed in :data:`REFUSED` cannot be made exact yet: loading a model that holds
+implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
+rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops. Classes listed in :data:`REFUSED` cannot be made exact yet: loading a model that holds
 one with packfree raises, naming the class and the reason.
 """
 
 from __future__ import annotations
 
 from .registry import MixerAdapter, positions_per_sample, register_adapter
+from .routes import native_forward
 
 NOT_MIXERS: frozenset[str] = frozenset({
     # named like mixers, mix nothing themselves: RWKV's containers (their mixers have entries below)
@@ -30,20 +32,25 @@ REFUSED: dict[str, str] = {
 GATED_DELTA = register_adapter(MixerAdapter("gated_delta", (
     "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
     "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet",
-)))
+), native=native_forward))
 KIMI_DELTA = register_adapter(MixerAdapter("kimi_delta", (
     "KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention",
-)))
+), native=native_forward))
 # ------------------------------------------------------------------ Mamba2 / SSD and Mamba1 (conv + scan)
 MAMBA2 = register_adapter(MixerAdapter("mamba2", (
     "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
     "Zamba2MambaMixer",
-)))
-MAMBA = register_adapter(MixerAdapter("mamba", ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")))
+), native=native_forward))
+MAMBA = register_adapter(MixerAdapter("mamba", ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+                                     native=native_forward))
 # ------------------------------------------------------------------ short / causal convolutions
 SHORT_CONV = register_adapter(MixerAdapter("short_conv", (
-    "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "InklingShortConvolution",
-)))
+    "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv",
+), native=native_forward))
+INKLING_CONV = register_adapter(MixerAdapter(
+    "inkling_conv", ("InklingShortConvolution",),
+    notes="generic: its native route agrees with stock only to 1e-9 in float64, unexplained, so not used",
+))
 CCA = register_adapter(MixerAdapter(
     "cca", ("ZayaCCAProjection",), output_index=(0, 1, 2),
     notes="ZAYA's q/k causal convs and one-token-delayed values; returns per-token (query, key, value)",

@@ -114,7 +114,8 @@ def _ssd(call: _NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_b
     _refuse_state(call, "mamba_chunk_scan_combined", initial_states=initial_states,
                   return_final_states=return_final_states)
     return ssd_chunk_scan(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
-                          dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), seq_idx=call.boundaries.seq_idx)
+                          dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+                          seq_idx=call.boundaries.seq_idx).contiguous()  # callers .view() it, as mamba-ssm allows
 
 
 def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
@@ -124,7 +125,7 @@ def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=Non
 
     _refuse_state(call, "selective_scan_fn", return_last_state=return_last_state)
     return selective_scan(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                          seq_idx=call.boundaries.seq_idx)
+                          seq_idx=call.boundaries.seq_idx).contiguous()
 
 
 def _unfused(call: _NativeCall, *args: Any, **kwargs: Any) -> None:

@@ -35,6 +35,10 @@ FLOAT32_INSIDE: dict[str, float] = {
     "mamba2": _F32, "bamba": _F32, "falcon_h1": _F32, "nemotron_h": _F32,  # SSD torch path: dt/A/decays in fp32
     "kimi_linear": _F32, "bailing_hybrid": _F32, "glm5_next_text": _F32,  # KDA torch path in fp32
     "lara_mini": _F32,
+    # GDN: stock's torch delta rule runs in fp32; packfree's native op keeps float64
+    "qwen3_next": _F32, "qwen3_5_text": _F32, "qwen3_5_moe_text": _F32, "qwen4_exp_text": _F32, "olmo_hybrid": _F32,
+    # Mamba2/Mamba1 mixers: stock's torch scans cast dt/A/B/C to fp32; packfree's native ops keep float64
+    "granitemoehybrid": _F32, "zamba2": _F32, "mamba": _F32, "falcon_mamba": _F32, "jamba": _F32, "zamba": _F32,
     "xlstm": _F32,  # kernels run in autocast_kernel_dtype (float32 at most)
     "deepseek_v4": _F32,  # eager-only attention: softmax in fp32
     "minimax_m3_vl_text": _F32,  # its block indexer scores in fp32
