@@ -1,10 +1,13 @@
 """Pure-torch chunked SSD (Mamba2 state-space duality) over packed rows.
 
-Per chunk of L tokens: a masked quadratic (attention-like) term for pairs inside the chunk, plus the
-state carried in from earlier chunks; chunk end states are passed on by a short loop over chunks. Sample boundaries are handled by forcing the decay between tokens of different samples to
-exactly zero (``exp(-inf)``) in all three places: inside a chunk, from a token to its chunk's end
-state, and from one chunk end to the next. A boundary in the middle of a chunk therefore needs no
-special case, and the cost is that of the unsplit row plus a few masks.
+Per chunk of L tokens: a masked quadratic (attention-like) term for pairs inside the chunk, plus
+the state carried in from earlier chunks; chunk end states are passed on by a short loop over
+chunks. Sample boundaries are handled by forcing the decay between tokens of different samples to
+exactly zero (``exp(-inf)``) everywhere it appears: inside a chunk (the in-chunk cumulative decay
+itself restarts at sample starts), from a token to its chunk's end state, and from one chunk end
+to the next. A boundary in the middle of a chunk needs no special case, and the dense work is that
+of the unsplit row. Chunks run in cache-sized groups (``_GROUP_TOKENS``) with the state carried
+between groups, so the working set does not grow with T.
 """
 
 from __future__ import annotations
@@ -18,6 +21,60 @@ from torch import Tensor
 from .naive import process_dt
 
 _NEG_INF = float("-inf")
+
+
+_GROUP_TOKENS = 128
+
+
+def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, seq: Tensor | None, A: Tensor,
+                 S: Tensor, prev_end: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """k consecutive chunks: ``xh [b,g,r,k,l,p]``, ``dth [b,g,r,k,l]``, ``Bh/Ch [b,g,1,k,l,n]``,
+    ``seq [b,k,l]``; ``S [b,g,r,p,n]`` is the state entering the group and ``prev_end [b,1]`` the
+    sample of the token before it. Returns the group's output, its end state and last sample."""
+    L = xh.shape[4]
+    dA = dth * A  # [b, g, r, k, l]
+    xdt = xh * dth[..., None]  # dt_s x_s
+
+    # 1. inside each chunk: y_t = sum_{s<=t, same sample} (C_t.B_s) exp(cs_t - cs_s) dt_s x_s
+    pair_ok = torch.ones(L, L, dtype=torch.bool, device=xh.device).tril()
+    if seq is None:
+        cs = torch.cumsum(dA, dim=-1)
+    else:
+        same = (seq[..., :, None] == seq[..., None, :]) & pair_ok  # [b, k, l, s]
+        # cumsum restarted at every sample start (a masked [l, s] sum): a plain cumsum would let
+        # earlier samples' dt into differences that cancel only up to rounding, in the gradient too
+        cs = torch.einsum("bcts,bgrcs->bgrct", same.to(dA.dtype), dA)
+        pair_ok = same[:, None, None]  # [b, 1, 1, k, l, s]
+    decay = (cs[..., :, None] - cs[..., None, :]).masked_fill_(~pair_ok, _NEG_INF).exp_()
+    y = ((Ch @ Bh.transpose(-1, -2)) * decay) @ xdt  # [b, g, r, k, l, p]
+
+    # 2. each chunk's end state from its own tokens (same sample as the chunk's last token only)
+    to_end = cs[..., -1:] - cs
+    if seq is not None:
+        to_end = to_end.masked_fill((seq != seq[..., -1:])[:, None, None], _NEG_INF)
+    states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bh  # [b, g, r, k, p, n]
+
+    # 3. chunk end states through the chunks: S_c = exp(total_c) S_{c-1} + states_c, with the
+    #    carry cut (exact 0) where chunk c's last token starts or follows a new sample.
+    carry = torch.exp(cs[..., -1])  # [b, g, r, k]
+    into = cs
+    end = None
+    if seq is not None:
+        end = seq[..., -1]  # [b, k]
+        before = torch.cat([prev_end, end[:, :-1]], dim=1)  # sample of the token before each chunk
+        carry = carry * (end == before)[:, None, None].to(carry.dtype)
+        # 4'. the carried-in state reaches a token only if it continues that earlier sample
+        into = into.masked_fill((seq != before[..., None])[:, None, None], _NEG_INF)
+    entering = []
+    # unbind, not indexing: its backward stacks once instead of scattering into k zero tensors
+    for carry_c, states_c in zip(carry[..., None, None].unbind(3), states.unbind(3)):
+        entering.append(S)
+        S = carry_c * S + states_c
+    S_in = torch.stack(entering, dim=3)  # state entering each chunk: [b, g, r, k, p, n]
+
+    # 4. the carried-in state read at every token of the chunk
+    y = y + (Ch @ S_in.transpose(-1, -2)) * torch.exp(into)[..., None]
+    return y, S, (end[:, -1:] if end is not None else None)
 
 
 def ssd_chunked(
@@ -68,51 +125,19 @@ def ssd_chunked(
     dth = dt.view(Bsz, nc * L, G, R).permute(0, 2, 3, 1).reshape(Bsz, G, R, nc, L)
     Bh = Bs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
     Ch = Cs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
-    dA = dth * A.view(G, R, 1, 1)  # [b, g, r, c, l]
-    xdt = xh * dth[..., None]  # dt_s x_s
-
-    # 1. inside each chunk: y_t = sum_{s<=t, same sample} (C_t.B_s) exp(cs_t - cs_s) dt_s x_s
-    pair_ok = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    if seq is None:
-        cs = torch.cumsum(dA, dim=-1)
-    else:
-        same = (seq[..., :, None] == seq[..., None, :]) & pair_ok  # [b, c, l, s]
-        # cumsum restarted at every sample start (a masked [l, s] sum): a plain cumsum would let
-        # earlier samples' dt into differences that cancel only up to rounding, in the gradient too
-        cs = torch.einsum("bcts,bgrcs->bgrct", same.to(dA.dtype), dA)
-        pair_ok = same[:, None, None]  # [b, 1, 1, c, l, s]
-    decay = (cs[..., :, None] - cs[..., None, :]).masked_fill_(~pair_ok, _NEG_INF).exp_()
-    y = ((Ch @ Bh.transpose(-1, -2)) * decay) @ xdt  # [b, g, r, c, l, p]
-
-    # 2. each chunk's end state from its own tokens (same sample as the chunk's last token only)
-    to_end = cs[..., -1:] - cs
-    if seq is not None:
-        to_end = to_end.masked_fill((seq != seq[..., -1:])[:, None, None], _NEG_INF)
-    states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bh  # [b, g, r, c, p, n]
-
-    # 3. chunk end states through the chunks: S_c = exp(total_c) S_{c-1} + states_c, with the
-    #    carry cut (exact 0) where chunk c's last token starts or follows a new sample. A loop over
-    #    chunks of [P, N] updates is far cheaper than an [nc, nc] decay matmul over P * N.
-    carry = torch.exp(cs[..., -1])  # [b, g, r, c]
-    if seq is not None:
-        end = seq[..., -1]  # [b, c]
-        same = torch.ones_like(end, dtype=torch.bool)
-        same[:, 1:] = end[:, 1:] == end[:, :-1]
-        carry = carry * same[:, None, None].to(carry.dtype)
-    S = torch.zeros_like(states[:, :, :, 0])
-    entering = []
-    # unbind, not indexing: its backward stacks once instead of scattering into nc zero tensors
-    for carry_c, states_c in zip(carry[..., None, None].unbind(3), states.unbind(3)):
-        entering.append(S)
-        S = carry_c * S + states_c
-    S_in = torch.stack(entering, dim=3)  # state entering chunk c: [b, g, r, c, p, n]
-
-    # 4. the carried-in state read at every token of the chunk (same sample as previous chunk end)
-    into = cs
-    if seq is not None:
-        prev_end = F.pad(seq[:, :-1, -1], (1, 0), value=-1)  # [b, c]; chunk 0 has S_in = 0
-        into = into.masked_fill((seq != prev_end[..., None])[:, None, None], _NEG_INF)
-    y = y + (Ch @ S_in.transpose(-1, -2)) * torch.exp(into)[..., None]
+    # Chunks are processed in groups of about _GROUP_TOKENS tokens, the state carried from group to
+    # group: a group's [L, L] decay and score tensors stay in cache through all their passes (and
+    # again in the backward). split, not slicing in a loop: the backward concatenates once.
+    k = max(1, _GROUP_TOKENS // L)
+    seq_groups = seq.split(k, dim=1) if seq is not None else [None] * (-(-nc // k))
+    S = xh.new_zeros(Bsz, G, R, P, N)
+    prev_end = torch.full((Bsz, 1), -1, dtype=torch.int32, device=x.device) if seq is not None else None
+    ys = []
+    for xg, dtg, Bg, Cg, sg in zip(xh.split(k, 3), dth.split(k, 3), Bh.split(k, 3), Ch.split(k, 3),
+                                   seq_groups):
+        y_g, S, prev_end = _chunk_group(xg, dtg, Bg, Cg, sg, A.view(G, R, 1, 1), S, prev_end)
+        ys.append(y_g)
+    y = torch.cat(ys, dim=3)  # [b, g, r, c, l, p]
 
     y = y.view(Bsz, H, nc * L, P)[:, :, :T].transpose(1, 2)
     if D is not None:
