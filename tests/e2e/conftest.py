@@ -1,0 +1,57 @@
+"""Shared helpers for the end-to-end tests: a packfree model and its stock twin, samples, batch layouts."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from packfree_plugin.tiny import load_model
+
+FAMILIES = ("llama", "qwen3_next", "mamba2", "lfm2")
+"""One representative tiny model per family: attention only, Gated DeltaNet hybrid, Mamba2, LFM2 short conv."""
+
+STOCK = {"mamba2": "eager"}
+"""Stock implementation of the reference twin (Mamba2 has no sdpa path); sdpa otherwise."""
+
+
+def fresh_pair(model_type: str, *, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """``(packfree_model, stock_model)`` with identical tiny random weights, in eval mode."""
+    model = load_model(model_type, "packfree", dtype=dtype, seed=seed)
+    stock = load_model(model_type, STOCK.get(model_type, "sdpa"), dtype=dtype, seed=seed + 1)
+    stock.load_state_dict(model.state_dict())
+    return model, stock
+
+
+@cache
+def shared_pair(model_type: str):
+    """A cached float64 pair: callers must leave weights unchanged and zero their gradients."""
+    return fresh_pair(model_type)
+
+
+def samples_of(lengths: list[int], *, seed: int = 0, vocab: int = 128) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed + 31 * len(lengths) + sum(lengths))
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def padded_batch(samples: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded stock batch; labels -100 on padding and on each sample's first token (never predicted)."""
+    from packfree_plugin.demo import PaddedCollator
+
+    return PaddedCollator()([{"input_ids": s} for s in samples])
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference; a parameter with a gradient in only one dict counts with its own size."""
+    worst = 0.0
+    for name in a.keys() | b.keys():
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None:
+            worst = max(worst, float((x if y is None else y).abs().max()))
+        else:
+            worst = max(worst, float((x - y).abs().max()))
+    return worst
