@@ -19,9 +19,8 @@ NOT_MIXERS: frozenset[str] = frozenset({
 })
 """Classes that match the mixer heuristics but mix nothing along the sequence (e.g. a vision patch conv)."""
 
-_INKLING2 = ("relative-position bias with position-dependent log scaling, sinks passed as `sinks` (which the "
-             "packfree attention function does not apply), dynamic k/v short convs fed from other layers; no "
-             "per-sample adapter yet")
+_INKLING2 = ("relative-position bias with position-dependent log scaling and dynamic k/v short convs fed from "
+             "other layers' hidden states; no per-sample adapter yet")
 REFUSED: dict[str, str] = {
     "Inkling2SlidingAttention": _INKLING2, "Inkling2FullAttention": _INKLING2,
     "Inkling2LoopSlidingAttention": _INKLING2, "Inkling2LoopFullAttention": _INKLING2,

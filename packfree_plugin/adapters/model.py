@@ -32,7 +32,7 @@ __all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
 _TOKENS_ATTR = "_packfree_context_tokens"
-_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 

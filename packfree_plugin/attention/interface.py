@@ -42,6 +42,8 @@ active_boundaries: ContextVar[Boundaries | None] = ContextVar("packfree_active_b
 """Boundaries of the forward in progress, set by the model hook for the mask function."""
 
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+_INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
+"""Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
 
 
 def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
@@ -100,12 +102,21 @@ def packfree_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention contract: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, T, H, Dv], None)``."""
+    sinks = s_aux if s_aux is not None else kwargs.pop("sinks", None)
+    unknown = sorted(name for name, value in kwargs.items()
+                     if isinstance(value, torch.Tensor) and name not in _INERT_TENSOR_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"{type(module).__name__} passed {', '.join(unknown)} to the attention function; packfree does not "
+            "know how to apply it and will not ignore it silently (use attn_implementation='sdpa'/'eager' for this "
+            "model, or register a MixerAdapter with attention='sdpa' for this layer)"
+        )
     options = AttentionOptions(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
         causal=is_causal if is_causal is not None else getattr(module, "is_causal", True),
         window=sliding_window or None,
         softcap=softcap or None,
-        sinks=s_aux,
+        sinks=sinks,
         dropout=dropout,
     )
     training = module.training

@@ -170,3 +170,20 @@ def test_forced_backend_must_exist(monkeypatch) -> None:
     q, _, _, _ = _inputs()
     with pytest.raises(ValueError, match="not a packfree attention backend"):
         interface.choose_backend(q, AttentionOptions(scale=1.0, causal=True), training=False)
+
+
+def test_unknown_tensor_arguments_are_refused_not_ignored() -> None:
+    q, k, v, boundaries = _inputs()
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="position_bias"):
+        interface.packfree_attention_forward(module, q, k, v, boundaries, position_bias=torch.zeros(1))
+
+
+def test_sinks_keyword_is_applied_like_s_aux() -> None:
+    q, k, v, boundaries = _inputs()
+    module = torch.nn.Module()
+    sinks = torch.linspace(-1, 1, 4, dtype=torch.float64)
+    as_sinks, _ = interface.packfree_attention_forward(module, q, k, v, boundaries, scaling=0.4, sinks=sinks)
+    as_s_aux, _ = interface.packfree_attention_forward(module, q, k, v, boundaries, scaling=0.4, s_aux=sinks)
+    plain, _ = interface.packfree_attention_forward(module, q, k, v, boundaries, scaling=0.4)
+    assert torch.equal(as_sinks, as_s_aux) and not torch.allclose(as_sinks, plain)
