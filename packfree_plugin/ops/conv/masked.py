@@ -65,10 +65,13 @@ class _Boundary:
     def split_by_tile(self, tile: int, T: int, K: int) -> None:
         """``self.tiles[i]`` = (b, t) of the boundary rows whose gradient tile i reads: t in
         ``[t0, t1 + K - 1)``."""
-        self.tiles = []
-        for t0 in range(0, T, tile):
-            sel = (self.t >= t0) & (self.t < min(t0 + tile + K - 1, T))
-            self.tiles.append((self.b[sel], self.t[sel] - t0) if bool(sel.any()) else None)
+        order = torch.argsort(self.t, stable=True)
+        b, t = self.b[order], self.t[order]
+        t0s = torch.arange(0, T, tile)
+        lo = torch.searchsorted(t, t0s).tolist()
+        hi = torch.searchsorted(t, (t0s + tile + K - 1).clamp(max=T)).tolist()
+        self.tiles = [(b[i:j], t[i:j] - t0) if j > i else None
+                      for i, j, t0 in zip(lo, hi, t0s.tolist())]
 
     def recompute(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Pre-activation of the boundary rows from their in-sample taps only: ``[R, C]``."""
