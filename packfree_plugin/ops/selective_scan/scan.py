@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 
-_BLOCK_BYTES = 1 << 21
+_BLOCK_BYTES = 1 << 19
 _SPARSE_ON_CPU = True  # tests set False to run the masked path (what other devices use) on CPU
 
 
