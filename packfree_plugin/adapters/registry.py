@@ -39,6 +39,8 @@ _CLEARED_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past",
 _DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
                    "packfree_boundaries", "use_cache")
 
+_BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(layer, original_forward, boundaries, bound_arguments) -> output``."""
 
@@ -203,7 +205,9 @@ def _packed_forward(layer: nn.Module, adapter: MixerAdapter) -> Callable:
         if adapter.attention is not None:
             return attention_forward(boundaries, *args, **kwargs)
         if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
-            return original(*args, **kwargs)
+            # one sample per row: the layer's own forward is exact; boundary inputs would only make
+            # transformers' kernel fallbacks refuse the call
+            return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
         arguments = dict(signature.bind(*args, **kwargs).arguments)
         hidden = arguments.get(adapter.hidden_arg)
         if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (boundaries.batch_size, boundaries.seq_len):

@@ -57,10 +57,6 @@ def test_packed_rows_train_like_the_padded_batch(model_type: str, layout: tuple[
     stock.zero_grad()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "known bug (adapters): rows that each hold one sample carry seq_idx/cu_seq_lens from PackedCollator but are "
-    "not 'packed', so the GDN mixer runs its stock forward with those kwargs, and transformers' causal_conv1d "
-    "fallback refuses them ('can't keep packed sequences apart without causal_conv1d')"))
 def test_one_sample_per_row_with_boundary_fields_trains_like_the_padded_batch() -> None:
     model, stock = shared_pair("qwen3_next")
     samples = samples_of([5, 5])
