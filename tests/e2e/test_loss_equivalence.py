@@ -20,7 +20,7 @@ from tests.e2e.conftest import FAMILIES, gradients, padded_batch, samples_of, sh
 @st.composite
 def layouts(draw) -> tuple[list[int], int, int]:
     """Sample lengths, row budget, rows. The budget fits the two shortest samples together, so best-fit
-    decreasing puts >= 2 samples in some row: the batch is packed (see the xfail test below otherwise)."""
+    decreasing puts >= 2 samples in some row: the batch is packed (the one-sample-per-row case is tested below)."""
     lengths = draw(st.lists(st.integers(1, 12), min_size=2, max_size=5))
     shortest = sorted(lengths)[:2]
     budget = draw(st.integers(max(max(lengths), sum(shortest)), sum(lengths) + 4))
