@@ -7,7 +7,7 @@ apply and the ``[T, D, N]`` states are materialised, as mamba_ssm's own referenc
 
 Layers of the fast path:
 
-* tokens are processed in blocks of about ``_BLOCK_BYTES`` of state (16 tokens at D=512, N=16),
+* tokens are processed in blocks of about ``_BLOCK_BYTES`` of state (64 tokens at D=512, N=16),
   the last state carried from block to block, so each block's tensors stay in cache through all
   their passes; the block count depends on T, never on the number of samples;
 * each block is one fused autograd function (decay, drive, scan, read-out; only h is saved);
@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 
-_BLOCK_BYTES = 1 << 19
+_BLOCK_BYTES = 1 << 21
 _SPARSE_ON_CPU = True  # tests set False to run the masked path (what other devices use) on CPU
 
 
