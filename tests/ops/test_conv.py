@@ -185,3 +185,13 @@ def test_agreeing_seq_idx_and_cu_seqlens_are_accepted(kit):
     seq = torch.tensor([[0, 0, 1, 1, 1, 2]], dtype=torch.int32)
     out = causal_conv1d(x, w, b, seq_idx=seq, cu_seqlens=torch.tensor([0, 2, 5, 6]))
     kit.assert_close(out, causal_conv1d(x, w, b, seq_idx=seq))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+    x, w, b = (t.detach() for t in _inputs(21, 1, 8, 4, bias=True))
+    seq = kit.seq_idx_of([[5, 1, 15]])
+    want = causal_conv1d(x, w, b, activation="silu", seq_idx=seq)
+    got = causal_conv1d(x.to(dtype), w.to(dtype), b.to(dtype), activation="silu", seq_idx=seq)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.05)

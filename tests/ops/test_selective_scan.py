@@ -127,3 +127,14 @@ def test_bad_inputs_raise_value_error(case):
     args = [kw.pop(k) for k in ("u", "delta", "A", "B", "C")]
     with pytest.raises(ValueError):
         selective_scan(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+    t = _inputs(1, 21)
+    seq = kit.seq_idx_of([[5, 1, 15]])
+    args = [t[k].detach() for k in ("u", "delta", "A", "B", "C")]
+    want = selective_scan(*args, seq_idx=seq, delta_softplus=True)
+    got = selective_scan(*(a.to(dtype) for a in args), seq_idx=seq, delta_softplus=True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)

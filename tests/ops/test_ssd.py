@@ -160,3 +160,14 @@ def test_bad_inputs_raise_value_error(case):
     kw.setdefault("chunk_size", 4)
     with pytest.raises(ValueError):
         ssd_chunk_scan(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+    t = _inputs(1, 21)
+    seq = kit.seq_idx_of([[5, 1, 15]])
+    args = [t[k].detach() for k in ("x", "dt", "A", "B", "C")]
+    want = ssd_chunk_scan(*args, chunk_size=8, seq_idx=seq, dt_softplus=True)
+    got = ssd_chunk_scan(*(a.to(dtype) for a in args), chunk_size=8, seq_idx=seq, dt_softplus=True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)
