@@ -1,0 +1,95 @@
+"""The ``packfree`` command line: doctor, verify (clean and leaking models), demo (tiny), bench (built-in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from packfree_plugin.cli import main
+
+
+def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
+    assert main(["doctor", "qwen3_next", "llama"]) == 0
+    out = capsys.readouterr().out
+    for package in ("torch", "transformers", "flash_attn", "mamba_ssm", "causal_conv1d", "fla", "kernels"):
+        assert f"- {package}:" in out
+    assert "Qwen3NextGatedDeltaNet" in out and "gated_delta" in out
+    assert "LlamaAttention" in out and ("segments" if not torch.cuda.is_available() else "") in out
+    assert "| NO" not in out
+
+
+def test_doctor_flags_a_model_dir_with_an_unknown_mixer(tmp_path, capsys, monkeypatch) -> None:
+    from transformers import AutoConfig
+
+    from packfree_plugin.adapters import registry
+
+    AutoConfig.for_model("mamba2", hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, vocab_size=64,
+                         n_groups=1).save_pretrained(tmp_path)
+    monkeypatch.setattr(registry, "REGISTRY", {k: v for k, v in registry.REGISTRY.items() if k != "Mamba2Mixer"})
+    assert main(["doctor", str(tmp_path)]) == 1
+    assert "NO (no adapter" in capsys.readouterr().out
+
+
+def test_verify_passes_under_packfree_and_shows_the_stock_leak(capsys) -> None:
+    assert main(["verify", "qwen3_next"]) == 0
+    out = capsys.readouterr().out
+    assert "packfree: " in out and "no leak" in out.splitlines()[0]
+    assert "sdpa: " in out and "modules leak" in out  # stock sdpa mixes the packed samples
+
+
+def test_verify_fails_on_a_deliberately_leaking_model(capsys, monkeypatch) -> None:
+    """A tiny Llama whose MLP adds a running sum along the sequence: packed samples mix outside attention."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+
+    def leaking_forward(self, x):
+        return original(self, x) + 0.1 * x.cumsum(dim=1)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", leaking_forward)
+    assert main(["verify", "llama", "--no-reference"]) == 1
+    out = capsys.readouterr().out
+    assert "LEAK" in out and "mlp" in out
+
+
+def test_verify_from_a_saved_model_dir_as_a_subprocess(tmp_path) -> None:
+    from packfree_plugin.tiny import load_model
+
+    load_model("lfm2", "sdpa", dtype=torch.float32).save_pretrained(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "packfree_plugin", "verify", str(tmp_path), "--no-reference"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no leak" in result.stdout
+
+
+def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "2", "--out", str(out), "--no-progress"]) == 0
+    report = (out / "report.md").read_text()
+    assert "Speedup" in report and "Isolation audit" in report and "no leak" in report
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "demo.json").read_text())
+    assert len(summary["padded"]["losses"]) == len(summary["packed"]["losses"]) == 2
+    assert summary["summary"]["max_rel_loss_diff"] < 1e-5
+    assert summary["packed"]["real_tokens"] == summary["padded"]["real_tokens"]
+    assert summary["summary"]["packed_efficiency"] > summary["summary"]["padded_efficiency"]
+
+
+def test_bench_chart_from_rows(tmp_path) -> None:
+    from packfree_plugin.bench import chart
+
+    rows = [{"run": "padded", "tokens/s": 100.0, "x padded": 1.0}, {"run": "packed", "tokens/s": 170.0, "x padded": 1.7}]
+    path = chart({"training": rows}, tmp_path / "bench.png")
+    assert path is not None and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_help(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
