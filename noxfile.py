@@ -18,6 +18,13 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 
 
 @nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: train a small GDN hybrid on GSM8K padded and packed; report + plot in packfree-report/."""
+    _install(session, "demo")
+    session.run("python", "-m", "packfree_plugin", "demo", *session.posargs)
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """The default suite (Hypothesis profile ``ci``)."""
     _install(session)

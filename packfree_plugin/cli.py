@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
     demo.add_argument("--max-tokens", type=int, default=512, help="tokens per packed row (default 512)")
     demo.add_argument("--data-file", default=None, help="GSM8K-format .jsonl (default: the embedded test split)")
-    demo.add_argument("--out", default="packfree-demo", help="output folder (report.md, demo.png, demo.json)")
+    demo.add_argument("--out", default="packfree-report", help="output folder (report.md, demo.png, demo.json)")
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the cores)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)

@@ -44,7 +44,7 @@ class DemoOptions:
     learning_rate: float = 2e-3
     seed: int = 0
     data_file: str | None = None
-    out: str = "packfree-demo"
+    out: str = "packfree-report"
     progress: bool = True
     threads: int | None = None  # torch CPU threads; None: half the cores (see default_threads)
 
@@ -221,22 +221,32 @@ def train(model, samples: list[list[int]], collator: Callable, *, steps: int, ba
     dataset = [{"input_ids": s} for s in samples[: steps * batch_size]]
     trainer = LossRecordingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                    callbacks=[Recorder()])
-    collator.slot_tokens = 0
+    counts_slots = hasattr(collator, "slot_tokens")
+    if counts_slots:
+        collator.slot_tokens = 0
     trainer.train()
     real = sum(len(s["input_ids"]) for s in dataset)
     return RunResult(label, model.config._attn_implementation, losses, clock["end"] - clock["begin"], step_seconds,
-                     real, collator.slot_tokens)
+                     real, collator.slot_tokens if counts_slots else real)
 
 
 def compare_training(options: DemoOptions) -> dict[str, Any]:
     """Tokenize, build one initial model, train it padded (stock sdpa) and packed (packfree). Returns a dict
     with ``padded``/``packed`` :class:`RunResult`, the config and both trained models."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or default_threads())
+    try:
+        return _compare(options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare(options: DemoOptions) -> dict[str, Any]:
     count = options.steps * options.batch_size
     samples, vocab = tokenize_gsm8k(count, data_file=options.data_file, max_tokens=options.max_tokens,
                                     progress=options.progress)
     config = demo_config(options.model_type, vocab, hidden_size=options.hidden_size, num_layers=options.num_layers)
-    initial = _build(config, "sdpa", seed=options.seed).state_dict()
+    initial = _build(config, "eager", seed=options.seed).state_dict()
     initial = {k: v.clone() for k, v in initial.items()}
     common = dict(steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                   seed=options.seed, out=options.out, progress=options.progress)
