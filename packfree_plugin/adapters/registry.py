@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,41 +196,39 @@ def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
     return mask
 
 
-def _packed_forward(layer: nn.Module, adapter: MixerAdapter) -> Callable:
+def _mixer_forward(layer: nn.Module, *args, **kwargs):
+    """The forward every covered mixer gets, bound to the layer (so a deep copy rebinds to the copy)."""
+    adapter = REGISTRY[type(layer).__name__]
     original = getattr(layer, _ORIGINAL_FORWARD)
-    signature = inspect.signature(original)
-    native = adapter.native
+    boundaries = active_boundaries.get()
+    if adapter.attention is not None:
+        return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
+    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
+        # one sample per row: the layer's own forward is exact; boundary inputs would only make
+        # transformers' kernel fallbacks refuse the call
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
+    arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
+    hidden = arguments.get(adapter.hidden_arg)
+    if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (boundaries.batch_size, boundaries.seq_len):
+        return original(*args, **kwargs)
+    if adapter.native is not None:
+        return adapter.native(layer, original, boundaries, arguments)
+    return _generic(adapter, layer, original, boundaries, arguments)
 
-    def forward(*args, **kwargs):
-        boundaries = active_boundaries.get()
-        if adapter.attention is not None:
-            return attention_forward(boundaries, *args, **kwargs)
-        if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
-            # one sample per row: the layer's own forward is exact; boundary inputs would only make
-            # transformers' kernel fallbacks refuse the call
-            return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-        arguments = dict(signature.bind(*args, **kwargs).arguments)
-        hidden = arguments.get(adapter.hidden_arg)
-        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (boundaries.batch_size, boundaries.seq_len):
-            return original(*args, **kwargs)
-        if native is not None:
-            return native(layer, original, boundaries, arguments)
-        return _generic(adapter, layer, original, boundaries, arguments)
 
-    def attention_forward(boundaries: Boundaries | None, *args, **kwargs):
-        arguments = dict(signature.bind(*args, **kwargs).arguments)
-        hidden = arguments[adapter.hidden_arg]
-        with _StockAttention(layer, adapter.attention):
-            if boundaries is not None and tuple(hidden.shape[:2]) == (boundaries.batch_size, boundaries.seq_len):
-                return _generic(adapter, layer, original, boundaries, arguments)
-            if isinstance(arguments.get("attention_mask"), Boundaries):
-                raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
-            if "attention_mask" in arguments:
-                arguments["attention_mask"] = _stock_mask(arguments["attention_mask"], adapter.attention, hidden.dtype)
-            extra = arguments.pop("kwargs", {})
-            return original(**arguments, **extra)
-
-    return forward
+def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
+                       *args, **kwargs):
+    arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
+    hidden = arguments[adapter.hidden_arg]
+    with _StockAttention(layer, adapter.attention):
+        if boundaries is not None and tuple(hidden.shape[:2]) == (boundaries.batch_size, boundaries.seq_len):
+            return _generic(adapter, layer, original, boundaries, arguments)
+        if isinstance(arguments.get("attention_mask"), Boundaries):
+            raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
+        if "attention_mask" in arguments:
+            arguments["attention_mask"] = _stock_mask(arguments["attention_mask"], adapter.attention, hidden.dtype)
+        extra = arguments.pop("kwargs", {})
+        return original(**arguments, **extra)
 
 
 def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
@@ -243,7 +242,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
             continue
         if not hasattr(module, _ORIGINAL_FORWARD):
             setattr(module, _ORIGINAL_FORWARD, module.forward)
-            module.forward = _packed_forward(module, adapter)
+            module.forward = types.MethodType(_mixer_forward, module)
         wrapped.append((path, adapter.tier))
     return wrapped
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from packfree_plugin.verify import packed_row
 from tests.e2e.conftest import fresh_pair, samples_of
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug (adapters/registry.wrap_mixers): the packed forward is an instance attribute closing over the "
-    "original layer and its bound forward, so a deep copy's mixers still run the original model's weights"))
 def test_deep_copy_of_a_hybrid_runs_its_own_weights() -> None:
     model, _ = fresh_pair("qwen3_next")
     twin = copy.deepcopy(model)
