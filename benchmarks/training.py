@@ -2,7 +2,7 @@
 
 The HF ``Trainer`` trains the demo's Qwen3.5-like hybrid (Gated DeltaNet + attention) twice from the same
 initial weights: padded (stock ``sdpa``, each step padded to its longest sample) and packed (``packfree``,
-the same 16 samples of each step in rows of 512 tokens). Reported: real (non-padding) tokens per second of
+the same 16 samples of each step in one unpadded row, token budget 4096). Reported: real (non-padding) tokens per second of
 training, the ratio (target >= 1.6x), packing efficiency, and the largest per-step loss difference. Run with
 ``python -m benchmarks.training [--quick]``; ``nox -s bench`` runs it with the other benchmarks.
 """

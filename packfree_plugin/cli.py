@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transformers model type (default: qwen3_next, dense, 3 GDN : 1 attention layers)")
     demo.add_argument("--steps", type=int, default=32, help="optimizer steps per run (default 32)")
     demo.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
-    demo.add_argument("--max-tokens", type=int, default=512, help="tokens per packed row (default 512)")
+    demo.add_argument("--max-tokens", type=int, default=4096,
+                      help="token budget per packed row (default 4096: a step's 16 samples fit one unpadded row)")
     demo.add_argument("--data-file", default=None, help="GSM8K-format .jsonl (default: the embedded test split)")
     demo.add_argument("--out", default="packfree-report", help="output folder (report.md, demo.png, demo.json)")
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the cores)")

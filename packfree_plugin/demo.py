@@ -9,9 +9,10 @@ Data flows top to bottom:
    family of :mod:`packfree_plugin.tiny`.
 3. :func:`train`: the Hugging Face ``Trainer``, sequential sampler, ``batch_size`` samples per step. The
    padded run uses stock ``sdpa`` and pads each step to its longest sample. The packed run uses
-   ``attn_implementation="packfree"`` and lays the *same* samples of each step out in rows of
-   ``max_tokens`` tokens (:class:`StepPacker`). Same seed, same initial weights, same optimizer: both runs see
-   the same samples at every step, so their per-step losses must agree.
+   ``attn_implementation="packfree"`` and lays the *same* samples of each step out in rows of at most
+   ``max_tokens`` tokens (:class:`StepPacker`; by default one unpadded row per step). Same seed, same
+   initial weights, same optimizer: both runs see the same samples at every step, so their per-step
+   losses must agree.
 4. :func:`run_demo`: both runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
    (packfree and stock), a Markdown report and a PNG plot.
 """
@@ -38,7 +39,7 @@ class DemoOptions:
     model_type: str = "qwen3_next"
     steps: int = 24
     batch_size: int = 16
-    max_tokens: int = 512
+    max_tokens: int = 4096
     hidden_size: int = 128
     num_layers: int = 4
     learning_rate: float = 2e-3
@@ -162,8 +163,12 @@ class PaddedCollator:
 
 
 class StepPacker:
-    """Pack one step's samples (all of them, nothing carried over) into as few rows of ``max_tokens`` as
-    best-fit decreasing allows, with :class:`packfree_plugin.packing.PackedCollator`."""
+    """Pack one step's samples (all of them, nothing carried over) into rows of at most ``max_tokens`` tokens
+    with :class:`packfree_plugin.packing.PackedCollator`.
+
+    When they fit one row (the default budget holds a GSM8K step of 16 samples), that row is exactly their
+    tokens (``B = 1``, no padding); otherwise best-fit decreasing spreads them over as few rows of
+    ``max_tokens`` as it can, each row's tail padded."""
 
     def __init__(self, max_tokens: int, pad_token_id: int = 0) -> None:
         self.max_tokens = max_tokens
@@ -173,9 +178,9 @@ class StepPacker:
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         from .packing import PackedCollator, pack_best_fit_decreasing
 
-        lengths = [len(f["input_ids"]) for f in features]
-        rows = len(pack_best_fit_decreasing(lengths, self.max_tokens, truncate=True))
-        self.slot_tokens += rows * self.max_tokens
+        lengths = [min(len(f["input_ids"]), self.max_tokens) for f in features]
+        rows = len(pack_best_fit_decreasing(lengths, self.max_tokens))
+        self.slot_tokens += sum(lengths) if rows == 1 else rows * self.max_tokens
         collate = PackedCollator(rows_per_batch=rows, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id,
                                  truncate=True)
         return collate(list(features))
@@ -330,7 +335,7 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         + f", vocabulary {result['vocab']} (MiniLM WordPiece ids used by the data), random init seed {options.seed}.",
         f"Data: the first {result['samples']} GSM8K samples ({options.data_file or 'embedded test split'}), "
         f"{options.steps} steps of {options.batch_size} samples in the same order in both runs; packed rows of "
-        f"{options.max_tokens} tokens. HF `Trainer`, AdamW lr {options.learning_rate}, constant schedule.",
+        f"at most {options.max_tokens} tokens. HF `Trainer`, AdamW lr {options.learning_rate}, constant schedule.",
         "",
         "## Throughput",
         "",
