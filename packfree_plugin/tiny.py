@@ -49,6 +49,8 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
             kwargs["layer_types"] = [layer_types[i % len(layer_types)] for i in range(num_hidden_layers)]
         if model_type == "qwen3_next":
             kwargs["mlp_only_layers"] = list(range(num_hidden_layers))
+        if model_type == "mamba2" and "num_heads" not in overrides:  # heads * head_dim must be hidden * expand
+            kwargs["num_heads"] = kwargs["hidden_size"] * kwargs["expand"] // kwargs["head_dim"]
         return AutoConfig.for_model(model_type, **kwargs)
     config = AutoConfig.for_model(model_type)
     for name, value in {**_SHRINK, **base, **overrides}.items():
