@@ -30,7 +30,7 @@ so any number of layers can ask for any form without another device sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +62,8 @@ class Boundaries:
         device: device of the data the segments describe.
     """
 
-    __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "__dict__")
+    __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "lengths", "max_seqlen", "is_packed",
+                 "has_padding", "host_offsets", "host_padding", "_device_forms")
 
     def __init__(
         self,
@@ -103,66 +104,69 @@ class Boundaries:
         self.offsets = offsets
         self.padding = padding
         self.device = torch.device(device)
+        self.lengths: tuple[int, ...] = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        """Host tuple of ``N`` segment lengths."""
+        self.max_seqlen: int = max(self.lengths)
+        """Longest segment, as a host int (what varlen kernels call ``max_seqlen``)."""
+        samples_per_row = [0] * batch_size
+        for start, pad in zip(offsets, padding):
+            samples_per_row[start // seq_len] += not pad
+        self.is_packed: bool = max(samples_per_row) > 1
+        """True when some row holds more than one sample (padding spans do not count)."""
+        self.has_padding: bool = any(padding)
+        self.host_offsets = torch.tensor(offsets, dtype=torch.long)
+        """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive)."""
+        self.host_padding = torch.tensor(padding, dtype=torch.bool)
+        """``[N]`` bool on the CPU: the padding flags as a tensor."""
+        # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
+        # whose lock torch.compile cannot trace).
+        self._device_forms: dict[str, torch.Tensor] = {}
         if cu_seqlens is not None:
-            self.__dict__["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
+            self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 
-    # ----------------------------------------------------------------------------- host-side views
     @property
     def num_segments(self) -> int:
         """``N``: samples and padding spans."""
         return len(self.offsets) - 1
 
-    @cached_property
-    def lengths(self) -> tuple[int, ...]:
-        """Host tuple of ``N`` segment lengths."""
-        return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
-
-    @cached_property
-    def max_seqlen(self) -> int:
-        """Longest segment, as a host int (what varlen kernels call ``max_seqlen``)."""
-        return max(self.lengths)
-
-    @cached_property
-    def is_packed(self) -> bool:
-        """True when some row holds more than one sample (padding spans do not count)."""
-        samples_per_row = [0] * self.batch_size
-        for start, pad in zip(self.offsets, self.padding):
-            if not pad:
-                samples_per_row[start // self.seq_len] += 1
-        return max(samples_per_row) > 1
-
-    @cached_property
-    def has_padding(self) -> bool:
-        return any(self.padding)
-
     # ------------------------------------------------------------------------------- device forms
-    @cached_property
+    def _memo(self, name: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        form = self._device_forms.get(name)
+        if form is None:
+            form = self._device_forms[name] = build()
+        return form
+
+    def _per_token(self, values: torch.Tensor) -> torch.Tensor:
+        """Host ``[N]`` per-segment values -> host ``[B, T]`` per-token values."""
+        per_token = torch.repeat_interleave(values, torch.tensor(self.lengths, dtype=torch.long))
+        return per_token.view(self.batch_size, self.seq_len)
+
+    @property
     def cu_seqlens(self) -> torch.Tensor:
         """``[N+1]`` int32 on :attr:`device`: segment offsets over the flattened ``B * T`` tokens."""
-        return torch.tensor(self.offsets, dtype=torch.int32, device=self.device)
+        return self._memo("cu_seqlens", lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
 
-    @cached_property
+    @property
     def seq_idx(self) -> torch.Tensor:
         """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
-        ids = torch.repeat_interleave(
-            torch.arange(self.num_segments, dtype=torch.int32), torch.tensor(self.lengths, dtype=torch.long)
+        return self._memo(
+            "seq_idx", lambda: self._per_token(torch.arange(self.num_segments, dtype=torch.int32)).to(self.device)
         )
-        return ids.view(self.batch_size, self.seq_len).to(self.device)
 
-    @cached_property
+    @property
     def position_ids(self) -> torch.Tensor:
         """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
-        starts = torch.repeat_interleave(
-            torch.tensor(self.offsets[:-1], dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long)
-        )
-        positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long) - starts
-        return positions.view(self.batch_size, self.seq_len).to(self.device)
+        def build() -> torch.Tensor:
+            starts = self._per_token(torch.tensor(self.offsets[:-1], dtype=torch.long))
+            positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long).view_as(starts) - starts
+            return positions.to(self.device)
 
-    @cached_property
+        return self._memo("position_ids", build)
+
+    @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        flags = torch.repeat_interleave(torch.tensor(self.padding), torch.tensor(self.lengths, dtype=torch.long))
-        return flags.view(self.batch_size, self.seq_len).to(self.device)
+        return self._memo("padding_tokens", lambda: self._per_token(self.host_padding).to(self.device))
 
     def __repr__(self) -> str:
         return (
@@ -333,7 +337,7 @@ class Boundaries:
             seq_len=self.seq_len,
             device=self.device,
             padding=[kept == 0 for kept in kept_per_segment],
-            cu_seqlens=self.__dict__.get("cu_seqlens"),
+            cu_seqlens=self._device_forms.get("cu_seqlens"),
         )
 
 

@@ -36,6 +36,6 @@ def apply(model: nn.Module) -> nn.Module:
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     check_coverage(model)
-    wrap_mixers(model)
-    apply_model_hook(model)
+    mixers = wrap_mixers(model)
+    apply_model_hook(model, layer_hooks=bool(mixers))
     return model

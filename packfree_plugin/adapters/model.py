@@ -32,6 +32,7 @@ __all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
 _TOKENS_ATTR = "_packfree_context_tokens"
+_PUBLISHES_ATTR = "_packfree_publishes_boundaries"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
@@ -100,6 +101,7 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
     return isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == (boundaries.batch_size, boundaries.seq_len)
 
 
+@torch.compiler.disable  # host-side reading of the batch: one graph break per forward, no guards on its values
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     signature, var_keyword = _forward_parameters(type(module))
     takes_kwargs = var_keyword is not None
@@ -120,28 +122,56 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return args, kwargs
 
 
+@torch.compiler.disable
 def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Decoder layers re-publish the boundaries they were called with, so that mixers inside find them
-    also when gradient checkpointing recomputes the layer during backward (outside the model forward)."""
-    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(kwargs.get("packfree_boundaries",
-                                                                                          active_boundaries.get())))
+    """Decoder layers re-publish the boundaries they were called with for the mixers inside, and make their
+    gradient-checkpointing function carry them into the recomputation that backward runs."""
+    boundaries = kwargs.get("packfree_boundaries", active_boundaries.get())
+    checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+    if checkpoint is not None and not hasattr(checkpoint, _PUBLISHES_ATTR):
+        module._gradient_checkpointing_func = _publishing_checkpoint(checkpoint)
+    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(boundaries))
 
 
+def _publishing_checkpoint(checkpoint: Any) -> Any:
+    """Wrap a checkpoint function so the checkpointed layer runs, and re-runs in backward, with the boundaries
+    that were active when it was first called. (transformers checkpoints a layer's ``forward``, which module
+    hooks do not see, so without this the recomputation would run the mixers on the packed row unprotected.)"""
+
+    def publishing(function, *args, **kwargs):
+        boundaries = active_boundaries.get()
+
+        def run(*inner_args, **inner_kwargs):
+            token = active_boundaries.set(boundaries)
+            try:
+                return function(*inner_args, **inner_kwargs)
+            finally:
+                active_boundaries.reset(token)
+
+        return checkpoint(run, *args, **kwargs)
+
+    setattr(publishing, _PUBLISHES_ATTR, True)
+    return publishing
+
+
+@torch.compiler.disable
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     tokens = module.__dict__.get(_TOKENS_ATTR)
     if tokens:
         active_boundaries.reset(tokens.pop())
 
 
-def apply_model_hook(model: nn.Module) -> int:
-    """Hook every ``PreTrainedModel`` and decoder layer in ``model`` (idempotent); returns how many were new."""
+def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
+    """Hook every ``PreTrainedModel`` in ``model`` and, with ``layer_hooks``, every decoder layer (which only
+    models with sequence mixers need, and which costs a torch.compile graph break per layer); idempotent.
+    Returns how many modules were newly hooked."""
     hooked = 0
     for module in model.modules():
         if hasattr(module, _HANDLES_ATTR):
             continue
         if isinstance(module, PreTrainedModel):
             pre_hook = _pre_hook
-        elif isinstance(module, GradientCheckpointingLayer):
+        elif layer_hooks and isinstance(module, GradientCheckpointingLayer):
             pre_hook = _layer_pre_hook
         else:
             continue

@@ -25,7 +25,7 @@ from transformers.masking_utils import sdpa_mask
 
 from ..boundaries import Boundaries
 from .reference import AttentionOptions, eager_attention
-from .segments import segment_attention
+from .segments import segment_attention, segment_attention_op
 from .varlen import VARLEN_BACKENDS, on_accelerator
 
 __all__ = [
@@ -80,6 +80,11 @@ def run_packed_attention(
         )
     backend = backend or choose_backend(query, options, training=training)
     if backend == "segments":
+        if torch.compiler.is_compiling() and not (training and options.dropout > 0):
+            return segment_attention_op(
+                query, key, value, boundaries.host_offsets, boundaries.host_padding, options.sinks, options.scale,
+                options.causal, options.window or 0, options.softcap or 0.0,
+            )
         return segment_attention(query, key, value, boundaries, options, training=training)
     chosen = next(b for b in VARLEN_BACKENDS if b.name == backend)
     if not chosen.available():

@@ -9,17 +9,8 @@ from transformers import DataCollatorWithFlattening
 from tests.e2e.conftest import fresh_pair, gradients, max_grad_diff, samples_of
 
 
-RECOMPUTE_BUG = pytest.mark.xfail(strict=True, reason=(
-    "known bug (adapters/model.py): transformers 5.24 checkpoints a decoder layer's `forward`, not `__call__`, so "
-    "the decoder-layer pre-hook that re-publishes `active_boundaries` does not run when backward recomputes the "
-    "layer; the sequence mixer inside then sees no boundaries and runs its stock path on the packed row "
-    "(non-reentrant: Qwen3-Next raises, transformers refuses packed kwargs without fla; Mamba2: a different number "
-    "of saved tensors. Reentrant: no error but silently wrong gradients, max diff 0.018 Qwen3-Next, 0.31 Mamba2)"))
-
-
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen3_next", marks=RECOMPUTE_BUG),
-                                        pytest.param("mamba2", marks=RECOMPUTE_BUG)])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
 def test_checkpointed_packed_gradients_equal_plain(model_type: str, reentrant: bool, record_property) -> None:
     plain, _ = fresh_pair(model_type)
     checkpointed, _ = fresh_pair(model_type)
