@@ -61,9 +61,7 @@ def test_sft_trainer_padding_free_isolates_through_position_ids(tmp_path, model_
         save_strategy="no", use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True,
         dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False,
         router_aux_loss_coef=0.0,  # the dense Qwen3-Next config still declares router logits
-        # TRL turns gradient checkpointing on by default; on GDN/Mamba2 hybrids packfree's recompute is broken
-        # (see test_checkpointing.py's xfail), so this test isolates padding-free from it
-        gradient_checkpointing=False,
+        gradient_checkpointing=True,  # TRL's default: the recomputation must see the same boundaries
         bf16=False,  # TRL defaults to bf16 autocast, also on CPU; compare in full precision
     )
     dataset = datasets.Dataset.from_list([{"input_ids": s} for s in samples])
