@@ -3,13 +3,12 @@ gradient isolation between samples, the fla routing contract (fake fla), and Val
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from packfree_plugin.ops import _dispatch
@@ -21,32 +20,14 @@ from packfree_plugin.ops.gated_delta import (
     naive_gated_delta_rule,
     naive_kda,
 )
-
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
-EXAMPLES = 80 if THOROUGH else 12
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-F64 = torch.float64
+from tests.ops.chunked_harness import F64, assert_close, cu_of, sample_lengths, grads
 
 
-def assert_close(actual, expected, **kw):
-    """torch's assert_close, which already fails on NaN (equal_nan=False); float64 tolerances by default."""
-    kw.setdefault("rtol", 1e-9)
-    kw.setdefault("atol", 1e-9)
-    torch.testing.assert_close(actual, expected, **kw)
 
 
-def sample_lengths(chunk: int):
-    """1-token samples, lengths straddling the chunk size, and one long sample among many short ones."""
-    piece = st.one_of(st.integers(1, 3), st.sampled_from([chunk - 1, chunk, chunk + 1]), st.integers(1, 2 * chunk))
-    mixed = st.lists(piece, min_size=1, max_size=6)
-    skewed = st.tuples(st.integers(2 * chunk, 3 * chunk + 5), st.lists(st.integers(1, 4), min_size=3, max_size=10)).map(
-        lambda t: [*t[1][:2], t[0], *t[1][2:]]
-    )
-    return st.one_of(mixed, skewed)
 
 
-def cu_of(lengths, dtype=torch.int32):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
 
 
 def make_inputs(lengths, *, per_channel, H=2, K=4, V=3, seed=0, with_h0=True, gate_in_kernel=False):
@@ -74,12 +55,6 @@ def make_inputs(lengths, *, per_channel, H=2, K=4, V=3, seed=0, with_h0=True, ga
     return inp, opts
 
 
-def grads(out, final, leaves, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=F64)).sum()
-    if final is not None:
-        loss = loss + (final * torch.randn(final.shape, generator=gen, dtype=F64)).sum()
-    return torch.autograd.grad(loss, leaves, materialize_grads=True)
 
 
 def leaves_of(inp, opts):
@@ -94,7 +69,6 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@PROPERTY
 @given(
     lengths=sample_lengths(64),
     chunk=st.sampled_from([64, 8, 16]),
@@ -126,7 +100,6 @@ def test_packed_matches_per_sample_naive(family, lengths, chunk, seed, l2norm, w
         assert_close(got, want, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
-@PROPERTY
 @given(lengths=sample_lengths(16), seed=st.integers(0, 2**16))
 def test_kda_gate_in_kernel_matches_naive(lengths, seed):
     inp, opts = make_inputs(lengths, per_channel=True, seed=seed, gate_in_kernel=True)
@@ -141,7 +114,6 @@ def test_kda_gate_in_kernel_matches_naive(lengths, seed):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@PROPERTY
 @given(lengths=sample_lengths(8).filter(lambda ls: len(ls) > 1), seed=st.integers(0, 2**16), data=st.data())
 def test_gradient_isolation(family, lengths, seed, data):
     per_channel, fast, _ = FAMILIES[family]

@@ -3,37 +3,21 @@ MiniMax lightning-attention equivalence, and ValueError on bad inputs."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from packfree_plugin.ops.linear_attention import chunk_linear_attention, naive_linear_attention
-
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
-PROPERTY = settings(max_examples=80 if THOROUGH else 15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-F64 = torch.float64
+from tests.ops.chunked_harness import F64, assert_close, cu_of, sample_lengths, grads
 
 
-def assert_close(actual, expected, **kw):
-    kw.setdefault("rtol", 1e-9)
-    kw.setdefault("atol", 1e-9)
-    torch.testing.assert_close(actual, expected, **kw)  # equal_nan=False: NaN fails
 
 
-def sample_lengths(chunk: int):
-    piece = st.one_of(st.integers(1, 3), st.sampled_from([chunk - 1, chunk, chunk + 1]), st.integers(1, 2 * chunk))
-    mixed = st.lists(piece, min_size=1, max_size=6)
-    skewed = st.tuples(st.integers(2 * chunk, 3 * chunk + 5), st.lists(st.integers(1, 4), min_size=3, max_size=10)).map(
-        lambda t: [*t[1][:2], t[0], *t[1][2:]]
-    )
-    return st.one_of(mixed, skewed)
 
 
-def cu_of(lengths, dtype=torch.int32):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
 
 
 def make_inputs(lengths, *, gate, gamma, with_h0, H=2, K=4, V=3, seed=0):
@@ -57,14 +41,8 @@ def leaves_of(*dicts):
     return list(merged), list(merged.values())
 
 
-def grads(out, final, leaves, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=F64)).sum()
-    loss = loss + (final * torch.randn(final.shape, generator=gen, dtype=F64)).sum()
-    return torch.autograd.grad(loss, leaves, materialize_grads=True)
 
 
-@PROPERTY
 @given(lengths=sample_lengths(64), chunk=st.sampled_from([64, 8, 16]), seed=st.integers(0, 2**16),
        gate=st.booleans(), gamma=st.booleans(), with_h0=st.booleans(), scale=st.sampled_from([None, 1.0]))
 def test_packed_matches_per_sample_naive(lengths, chunk, seed, gate, gamma, with_h0, scale):
@@ -89,7 +67,6 @@ def test_packed_matches_per_sample_naive(lengths, chunk, seed, gate, gamma, with
         assert_close(got, want, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
-@PROPERTY
 @given(lengths=sample_lengths(8).filter(lambda ls: len(ls) > 1), seed=st.integers(0, 2**16), data=st.data())
 def test_gradient_isolation(lengths, seed, data):
     j = data.draw(st.integers(0, len(lengths) - 1), label="sample")
