@@ -58,6 +58,17 @@ def build_model(implementation: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).train()
 
 
+def _median_seconds(step, repeats: int) -> float:
+    """Median wall time of ``step()`` over ``repeats`` runs, after one warm-up run."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -83,13 +94,7 @@ def run_case(method: str, tokens: int, repeats: int) -> dict:
         else:
             model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
 
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": statistics.median(times),
+    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": _median_seconds(step, repeats),
             "peak_extra_mib": _rss_mib() - baseline}
 
 
@@ -128,13 +133,7 @@ def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
             ], dim=1)
         out.square().mean().backward()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": statistics.median(times),
+    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": _median_seconds(step, repeats),
             "peak_extra_mib": _rss_mib() - baseline}
 
 
