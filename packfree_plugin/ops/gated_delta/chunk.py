@@ -32,13 +32,10 @@ import torch.nn.functional as F
 
 from packfree_plugin.ops.linear_attention._varlen import (
     ChunkLayout,
-    check_floating,
-    check_same_device,
     chunk_layout,
     compute_dtype,
-    host_offsets,
-    row_offsets,
     run_chunk_steps,
+    validate_qkv,
 )
 
 __all__ = ["chunk_gated_delta_rule_torch", "chunk_kda_torch", "l2norm", "kda_gate"]
@@ -65,36 +62,15 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool):
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    for name, t in (("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check_floating(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    V = v.shape[-1]
+    offsets, (B, T, H, K, V) = validate_qkv(q, k, v, initial_state, cu_seqlens, g=g, beta=beta)
     g_shape = (B, T, H, K) if per_channel else (B, T, H)
     if tuple(g.shape) != g_shape:
         raise ValueError(f"g must have shape {list(g_shape)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must have shape {[B, T, H]}, got {tuple(beta.shape)}")
-    check_same_device(q.device, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    if cu_seqlens is not None:
-        offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device)
-    else:
-        offsets = row_offsets(B, T)
-    N = len(offsets) - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(
-            f"initial_state must have shape [N, H, K, V] = {[N, H, K, V]} (N = number of samples), "
-            f"got {tuple(initial_state.shape)}"
-        )
     return offsets, (B, T, H, K, V)
 
 

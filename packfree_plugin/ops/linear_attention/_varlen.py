@@ -219,3 +219,32 @@ def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step, *per_chunk: 
             state = state[:nxt]
     finished.reverse()
     return extras, torch.cat(finished, dim=0)
+
+
+def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None):
+    """Shared checks of the fla-style ops: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``initial_state
+    [N, H, K, V]``, ``cu_seqlens``; ``other`` tensors (gates) are checked for dtype class and device only.
+    Returns ``(offsets, (B, T, H, K, V))``; raises ValueError naming the offending argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_floating(q=q, k=k, v=v, initial_state=initial_state, **other)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    V = v.shape[-1]
+    check_same_device(q.device, k=k, v=v, initial_state=initial_state, **other)
+    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
+    N = len(offsets) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(
+            f"initial_state must have shape [N, H, K, V] = {[N, H, K, V]} (N = number of samples), "
+            f"got {tuple(initial_state.shape)}"
+        )
+    return offsets, (B, T, H, K, V)
