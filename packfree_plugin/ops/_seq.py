@@ -53,8 +53,8 @@ def _check_seq_idx_values(seq_idx: Tensor) -> None:
         )
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device: torch.device,
-                      validate: bool) -> None:
+def check_cu_seqlens_form(cu_seqlens: Tensor, batch: int, device: torch.device) -> None:
+    """Checks that need no device sync: type, int32/int64, ``[N+1]`` with N >= 1, device, ``B == 1``."""
     if not isinstance(cu_seqlens, Tensor):
         raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -64,7 +64,12 @@ def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device:
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the data is on {device}")
     if batch != 1:
-        raise ValueError(f"cu_seqlens needs a flattened row (B == 1), got B = {batch}")
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (one flattened row), got B={batch}")
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device: torch.device,
+                      validate: bool) -> None:
+    check_cu_seqlens_form(cu_seqlens, batch, device)
     if validate:
         first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
         if first != 0 or last != total_tokens:

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from packfree_plugin.ops._seq import check_cu_seqlens_form
+
 CU_SEQLENS_DOC = """cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
         ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts from its
         own initial state. ``None``: every batch row is one sample (``N == B``)."""
 
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 def host_offsets(cu_seqlens: torch.Tensor, *, batch: int, total: int, device: torch.device) -> tuple[int, ...]:
@@ -38,16 +39,7 @@ def host_offsets(cu_seqlens: torch.Tensor, *, batch: int, total: int, device: to
 
     Raises ValueError naming the offending values. This is the one device-to-host sync of an op call.
     """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in _INT_DTYPES:
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the data is on {device}")
-    if batch != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1 (one flattened row), got B={batch}")
+    check_cu_seqlens_form(cu_seqlens, batch, device)
     offsets = tuple(int(x) for x in cu_seqlens.tolist())
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]} (cu_seqlens={_short(offsets)})")
