@@ -8,6 +8,8 @@ one with packfree raises, naming the class and the reason.
 
 from __future__ import annotations
 
+import torch
+
 from .registry import MixerAdapter, positions_per_sample, register_adapter
 from .routes import native_forward
 
@@ -19,12 +21,7 @@ NOT_MIXERS: frozenset[str] = frozenset({
 })
 """Classes that match the mixer heuristics but mix nothing along the sequence (e.g. a vision patch conv)."""
 
-_INKLING2 = ("relative-position bias with position-dependent log scaling and dynamic k/v short convs fed from "
-             "other layers' hidden states; no per-sample adapter yet")
-REFUSED: dict[str, str] = {
-    "Inkling2SlidingAttention": _INKLING2, "Inkling2FullAttention": _INKLING2,
-    "Inkling2LoopSlidingAttention": _INKLING2, "Inkling2LoopFullAttention": _INKLING2,
-}
+REFUSED: dict[str, str] = {}
 """Layer class -> why packfree cannot run it exactly on packed rows (raised at load)."""
 
 # ------------------------------------------------------------------ Gated DeltaNet / KDA (conv + delta rule)
@@ -94,4 +91,25 @@ V4_ATTENTION = register_adapter(MixerAdapter(
     "v4_attention", ("DeepseekV4Attention",), token_args=("position_embeddings",), output_index=0,
     per_sample=positions_per_sample, attention="eager",
     notes="KV compressors pool blocks of past tokens, an indexer picks compressed blocks; sinks; eager only",
+))
+INKLING2_CONV = register_adapter(MixerAdapter(
+    "inkling2_conv", ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution"),
+    notes="the post-attention short convolution of every Inkling2 decoder layer",
+))
+
+
+def _inkling2_per_sample(num_samples: int, length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Inkling2 attention needs positions and its query-to-key ``relative_distance`` per sample."""
+    positions = torch.arange(length, device=device)
+    return {"position_ids": positions.expand(num_samples, length),
+            "relative_distance": positions[:, None] - positions[None, :]}
+
+
+INKLING2_ATTENTION = register_adapter(MixerAdapter(
+    "inkling2_attention", ("Inkling2FullAttention", "Inkling2SlidingAttention", "Inkling2LoopFullAttention",
+                           "Inkling2LoopSlidingAttention"),
+    token_args=("key_hidden_states", "value_hidden_states"), output_index=0, attention="eager",
+    per_sample=_inkling2_per_sample,
+    notes="relative-position bias over row distances with position-dependent log scaling, sinks, and k/v "
+          "dynamic short convs fed from other layers' hidden states: runs per sample under stock eager",
 ))
