@@ -16,11 +16,18 @@ cu_seqlens: ``[N+1]`` int32 or int64, on the data's device: cumulative sample of
             tensors, since on an accelerator the check costs a host sync. Shapes, dtypes and
             devices are always checked; every violation raises ValueError naming the values."""
 
+RECURRENT_CU_SEQLENS_DOC = """\
+cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
+            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
+            from its own initial state. ``None``: every batch row is one sample (``N == B``)."""
+"""``cu_seqlens`` for the recurrent ops that also carry states (gated delta, KDA, linear attention, LRU)."""
+
 _F = TypeVar("_F", bound=Callable)
 
 
 def with_boundary_doc(fn: _F) -> _F:
-    """Substitute ``{boundaries}`` in ``fn.__doc__`` with :data:`BOUNDARY_DOC`."""
+    """Substitute ``{boundaries}`` / ``{cu_seqlens}`` in ``fn.__doc__`` with :data:`BOUNDARY_DOC` /
+    :data:`RECURRENT_CU_SEQLENS_DOC`."""
     if fn.__doc__:
-        fn.__doc__ = fn.__doc__.replace("{boundaries}", BOUNDARY_DOC)
+        fn.__doc__ = fn.__doc__.replace("{boundaries}", BOUNDARY_DOC).replace("{cu_seqlens}", RECURRENT_CU_SEQLENS_DOC)
     return fn

@@ -27,6 +27,8 @@ batched computation, and the inter-chunk recurrence loops over chunk steps with 
 
 from __future__ import annotations
 
+from packfree_plugin.ops._boundary_doc import with_boundary_doc
+
 import torch
 import torch.nn.functional as F
 
@@ -204,6 +206,7 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
     return o, final
 
 
+@with_boundary_doc
 def chunk_gated_delta_rule_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,9 +230,7 @@ def chunk_gated_delta_rule_torch(
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the final state ``[N, H, K, V]`` (float32, float64 for float64 input).
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x / sqrt(sum x^2 + 1e-6)``).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         chunk_size: tokens per chunk (64 as in fla).
 
     Returns:
@@ -243,6 +244,7 @@ def chunk_gated_delta_rule_torch(
                 per_channel=False)
 
 
+@with_boundary_doc
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,9 +274,7 @@ def chunk_kda_torch(
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
         use_gate_in_kernel: compute the decay as ``-exp(A_log[h]) * softplus(g + dt_bias)`` (then ``A_log [H]``
             is required, ``dt_bias [H*K]`` optional).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         chunk_size: tokens per chunk (a power of two: the per-channel Gram matrices are built by halving).
 
     Returns:

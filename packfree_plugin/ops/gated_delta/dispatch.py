@@ -9,6 +9,8 @@ assertion.
 
 from __future__ import annotations
 
+from packfree_plugin.ops._boundary_doc import with_boundary_doc
+
 import torch
 
 from packfree_plugin.ops._dispatch import Backend, pick_kernel
@@ -33,6 +35,7 @@ def _fla_cu_seqlens(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
     return None if cu_seqlens is None else cu_seqlens.to(torch.int32)
 
 
+@with_boundary_doc
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,9 +59,7 @@ def chunk_gated_delta_rule(
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the final state ``[N, H, K, V]``.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
             ``"kernel"`` (force fla; ValueError if it does not import).
 
@@ -84,6 +85,7 @@ def chunk_gated_delta_rule(
     )
 
 
+@with_boundary_doc
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,9 +115,7 @@ def chunk_kda(
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
         use_gate_in_kernel: decay = ``-exp(A_log[h]) * softplus(g + dt_bias)``; ``A_log [H]`` required,
             ``dt_bias [H*K]`` optional.
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
             ``"kernel"`` (force fla; ValueError if it does not import).
 

@@ -28,10 +28,6 @@ import torch
 
 from packfree_plugin.ops._seq import check_cu_seqlens_form
 
-CU_SEQLENS_DOC = """cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-        ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts from its
-        own initial state. ``None``: every batch row is one sample (``N == B``)."""
-
 
 
 def host_offsets(cu_seqlens: torch.Tensor, *, batch: int, total: int, device: torch.device) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ chunk of every sample at once, the state recurrence loops over chunk steps with 
 
 from __future__ import annotations
 
+from packfree_plugin.ops._boundary_doc import with_boundary_doc
+
 import torch
 
 from packfree_plugin.ops.linear_attention._varlen import (
@@ -39,6 +41,7 @@ def _validate(q, k, v, g, g_gamma, initial_state, cu_seqlens):
     return offsets, (B, T, H, K, V)
 
 
+@with_boundary_doc
 def chunk_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,9 +64,7 @@ def chunk_linear_attention(
         scale: query scale, default ``K ** -0.5`` (MiniMax uses 1.0).
         initial_state: ``[N, H, K, V]`` or None (zeros).
         output_final_state: also return the final state ``[N, H, K, V]`` (float32, float64 for float64 input).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         chunk_size: tokens per chunk.
 
     Returns:

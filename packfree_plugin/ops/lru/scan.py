@@ -15,6 +15,8 @@ scan was tried first: it touches every element ``log2 C`` times through full-siz
 
 from __future__ import annotations
 
+from packfree_plugin.ops._boundary_doc import with_boundary_doc
+
 import torch
 
 from packfree_plugin.ops.linear_attention._varlen import (
@@ -63,6 +65,7 @@ def _blocked_scan(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
     return h.reshape(*lead, n * chunk, D)[..., :T, :]
 
 
+@with_boundary_doc
 def linear_recurrence(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -82,9 +85,7 @@ def linear_recurrence(
         initial_state: ``[N, D]`` or None.
         output_final_state: also return ``h`` at the last token of every sample, ``[N, D]`` (float32, float64
             for float64 input; the initial state for an empty sample).
-        cu_seqlens: ``[N+1]`` int32/int64 cumulative sample offsets on the data's device (0, non-decreasing,
-            ending at ``T``); requires ``B == 1``. ``N`` samples, ``T`` total tokens; each sample starts
-            from its own initial state. ``None``: every batch row is one sample (``N == B``).
+        {cu_seqlens}
         chunk_size: block size of the blocked scan.
 
     Returns:
