@@ -45,6 +45,12 @@ def _forward_parameters(cls: type) -> tuple[inspect.Signature, str | None]:
     return signature, var_keyword
 
 
+def _tokens(arguments: dict[str, Any]) -> Any:
+    """The call's ``input_ids``, else its ``inputs_embeds`` (``[B, T, ...]``), else None."""
+    tokens = arguments.get("input_ids")
+    return tokens if tokens is not None else arguments.get("inputs_embeds")
+
+
 def _cache_holds_tokens(past: Any) -> bool:
     if past is None:
         return False
@@ -56,9 +62,7 @@ def _cache_holds_tokens(past: Any) -> bool:
 
 def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding."""
-    tokens = arguments.get("input_ids")
-    if tokens is None:
-        tokens = arguments.get("inputs_embeds")
+    tokens = _tokens(arguments)
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         return None
     batch_size, seq_len = tokens.shape[0], tokens.shape[1]
@@ -95,9 +99,7 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
 
 
 def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
-    tokens = arguments.get("input_ids")
-    if tokens is None:
-        tokens = arguments.get("inputs_embeds")
+    tokens = _tokens(arguments)
     return isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == (boundaries.batch_size, boundaries.seq_len)
 
 
