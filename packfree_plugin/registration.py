@@ -53,7 +53,11 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Remove ``"packfree"`` from transformers and restore ``PreTrainedModel.post_init``."""
+    """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel.post_init`` and the kernel functions
+    of modeling modules that packfree routed (:mod:`.adapters.routes`)."""
+    from .adapters.routes import uninstall_routes
+
+    uninstall_routes()
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     original = PreTrainedModel.__dict__.get(_ORIGINAL_POST_INIT)

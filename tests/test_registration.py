@@ -23,7 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_register_is_idempotent_and_unregister_restores() -> None:
+    from transformers.models.lfm2 import modeling_lfm2
+
+    from packfree_plugin.adapters.routes import install_routes
+
     packfree_plugin.register()
+    install_routes(modeling_lfm2)
+    assert hasattr(modeling_lfm2.causal_conv1d_fn, "_packfree_routed_original")
     wrapped_post_init = PreTrainedModel.post_init
     packfree_plugin.register()
     assert PreTrainedModel.post_init is wrapped_post_init
@@ -34,6 +40,9 @@ def test_register_is_idempotent_and_unregister_restores() -> None:
         assert ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping
         assert ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping
         assert PreTrainedModel.post_init is not wrapped_post_init
+        from transformers.models.lfm2 import modeling_lfm2
+
+        assert not hasattr(modeling_lfm2.causal_conv1d_fn, "_packfree_routed_original"), "routes not restored"
         with pytest.raises(ValueError, match="packfree"):
             AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="packfree")
     finally:
