@@ -57,7 +57,8 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
         if hasattr(config, name):
             setattr(config, name, value)
     layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
+    settable = not isinstance(getattr(type(config), "layer_types", None), property)  # some derive it from others
+    if settable and isinstance(layer_types, list) and layer_types:
         distinct = list(dict.fromkeys(layer_types))
         config.layer_types = [distinct[i % len(distinct)] for i in range(config.num_hidden_layers)]
     return config
