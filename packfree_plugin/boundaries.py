@@ -63,7 +63,7 @@ class Boundaries:
     """
 
     __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "lengths", "max_seqlen", "is_packed",
-                 "has_padding", "host_offsets", "host_padding", "_device_forms")
+                 "has_padding", "host_offsets", "host_padding", "_rows", "_device_forms")
 
     def __init__(
         self,
@@ -118,11 +118,18 @@ class Boundaries:
         """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive)."""
         self.host_padding = torch.tensor(padding, dtype=torch.bool)
         """``[N]`` bool on the CPU: the padding flags as a tensor."""
+        self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
         self._device_forms: dict[str, torch.Tensor] = {}
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
+
+    def describes(self, batch_size: int, seq_len: int) -> bool:
+        """Whether these segments tile a ``[batch_size, seq_len]`` batch. Compiled code calls this with symbolic
+        sizes: it compares them with the shape of a data-free ``[B, T, 0]`` tensor, not with the ints, so a
+        graph does not specialise on one row length."""
+        return tuple(self._rows.shape[:2]) == (batch_size, seq_len)
 
     @property
     def num_segments(self) -> int:

@@ -3,10 +3,12 @@
 A forward pre-hook on each ``PreTrainedModel`` in the tree reads the call's boundary inputs
 (``cu_seq_lens_*``, ``seq_idx``, ``position_ids``, ``attention_mask``), builds one ``Boundaries`` and
 passes it down twice: as the ``packfree_boundaries`` keyword, which transformers forwards through its
-``**kwargs`` to every decoder layer and attention call (and which gradient checkpointing saves with the
-layer's inputs), and through :data:`~packfree_plugin.attention.active_boundaries`, which the mask function
-turns into the ``attention_mask`` every attention layer receives. Nested models reuse the outer
-model's object.
+``**kwargs`` to every decoder layer, attention call and most mixers (and which gradient checkpointing
+saves with the layer's inputs), and through :data:`~packfree_plugin.active.active_boundaries`, which the
+mask function turns into the ``attention_mask`` every attention layer receives. Nested models reuse the
+outer model's object. In models with sequence mixers, a hook on each decoder layer pushes the boundaries
+it was called with, for mixers that do not receive the layer's ``**kwargs``; that hook is traced by
+``torch.compile`` (no graph break per layer), the model hook is not (one break per forward).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
 filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
@@ -25,13 +27,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..attention import active_boundaries
+from ..active import active_boundaries
 from ..boundaries import Boundaries
 
 __all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
-_TOKENS_ATTR = "_packfree_context_tokens"
+_PENDING_ATTR = "_packfree_pending_pops"
 _PUBLISHES_ATTR = "_packfree_publishes_boundaries"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
@@ -100,7 +102,7 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
 
 def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
     tokens = _tokens(arguments)
-    return isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == (boundaries.batch_size, boundaries.seq_len)
+    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
 
 
 @torch.compiler.disable  # host-side reading of the batch: one graph break per forward, no guards on its values
@@ -111,7 +113,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     if boundaries is None:
         bound = signature.bind_partial(module, *args, **kwargs).arguments
         arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
-        outer = active_boundaries.get()
+        outer = active_boundaries.top()
         # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
         boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
         if boundaries is not None:
@@ -120,19 +122,36 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
                 kwargs["use_cache"] = False
             if takes_kwargs:
                 kwargs["packfree_boundaries"] = boundaries
-    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(boundaries))
+    active_boundaries.push(boundaries)
+    module.__dict__[_PENDING_ATTR] = module.__dict__.get(_PENDING_ATTR, 0) + 1
     return args, kwargs
 
 
 @torch.compiler.disable
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if module.__dict__.get(_PENDING_ATTR, 0) > 0:  # not when the pre-hook raised before pushing
+        module.__dict__[_PENDING_ATTR] -= 1
+        active_boundaries.pop()
+
+
 def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Decoder layers re-publish the boundaries they were called with for the mixers inside, and make their
-    gradient-checkpointing function carry them into the recomputation that backward runs."""
-    boundaries = kwargs.get("packfree_boundaries", active_boundaries.get())
+    """Decoder layers push the boundaries they were called with for the mixers inside, and make their
+    gradient-checkpointing function carry them into the recomputation that backward runs. Traced by
+    torch.compile: nothing here reads tensors or breaks the graph."""
+    boundaries = kwargs.get("packfree_boundaries")
+    active_boundaries.push(boundaries if boundaries is not None else active_boundaries.top())
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     if checkpoint is not None and not hasattr(checkpoint, _PUBLISHES_ATTR):
-        module._gradient_checkpointing_func = _publishing_checkpoint(checkpoint)
-    module.__dict__.setdefault(_TOKENS_ATTR, []).append(active_boundaries.set(boundaries))
+        _wrap_checkpoint(module)
+
+
+def _layer_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    active_boundaries.pop()
+
+
+@torch.compiler.disable  # once per layer, when gradient checkpointing is first seen
+def _wrap_checkpoint(module: nn.Module) -> None:
+    module._gradient_checkpointing_func = _publishing_checkpoint(module._gradient_checkpointing_func)
 
 
 def _publishing_checkpoint(checkpoint: Any) -> Any:
@@ -141,14 +160,14 @@ def _publishing_checkpoint(checkpoint: Any) -> Any:
     hooks do not see, so without this the recomputation would run the mixers on the packed row unprotected.)"""
 
     def publishing(function, *args, **kwargs):
-        boundaries = active_boundaries.get()
+        boundaries = active_boundaries.top()
 
         def run(*inner_args, **inner_kwargs):
-            token = active_boundaries.set(boundaries)
+            active_boundaries.push(boundaries)
             try:
                 return function(*inner_args, **inner_kwargs)
             finally:
-                active_boundaries.reset(token)
+                active_boundaries.pop()
 
         return checkpoint(run, *args, **kwargs)
 
@@ -156,30 +175,23 @@ def _publishing_checkpoint(checkpoint: Any) -> Any:
     return publishing
 
 
-@torch.compiler.disable
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    tokens = module.__dict__.get(_TOKENS_ATTR)
-    if tokens:
-        active_boundaries.reset(tokens.pop())
-
-
 def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
     """Hook every ``PreTrainedModel`` in ``model`` and, with ``layer_hooks``, every decoder layer (which only
-    models with sequence mixers need, and which costs a torch.compile graph break per layer); idempotent.
+    models with sequence mixers need); idempotent.
     Returns how many modules were newly hooked."""
     hooked = 0
     for module in model.modules():
         if hasattr(module, _HANDLES_ATTR):
             continue
         if isinstance(module, PreTrainedModel):
-            pre_hook = _pre_hook
+            pre_hook, post_hook = _pre_hook, _post_hook
         elif layer_hooks and isinstance(module, GradientCheckpointingLayer):
-            pre_hook = _layer_pre_hook
+            pre_hook, post_hook = _layer_pre_hook, _layer_post_hook
         else:
             continue
         handles = (
             module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+            module.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
         )
         setattr(module, _HANDLES_ATTR, handles)
         hooked += 1

@@ -6,9 +6,10 @@ that, while a packed batch is in flight, runs the adapter; otherwise the layer's
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
 
-Where does a layer get its boundaries? From :data:`packfree_plugin.attention.active_boundaries`, set by
-the model hook for the whole forward and by the decoder-layer hook around each layer (which also covers
-the recomputation of gradient checkpointing). Native adapters read ``boundaries.seq_idx`` /
+Where does a layer get its boundaries? From the ``packfree_boundaries`` keyword when its decoder layer
+passes its ``**kwargs`` on (most transformers 5 models do), else from
+:data:`packfree_plugin.active.active_boundaries`, pushed by the model hook for the whole forward and by the
+decoder-layer hook around each layer (which also covers the recomputation of gradient checkpointing). Native adapters read ``boundaries.seq_idx`` /
 ``boundaries.cu_seqlens`` from it; the generic tier reads the host offsets.
 """
 
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import active_boundaries
+from ..active import active_boundaries
 from ..boundaries import Boundaries
 from .generic import run_unpacked
+from .routes import routed_kernels_of
 
 __all__ = ["MixerAdapter", "REGISTRY", "check_coverage", "dense_causal_mask", "positions_per_sample", "register_adapter",
            "unwrap_mixers", "wrap_mixers"]
@@ -123,6 +125,7 @@ def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, wi
     return torch.zeros((), dtype=additive_dtype, device=device).masked_fill(~allowed, torch.finfo(additive_dtype).min)
 
 
+@torch.compiler.disable  # per-sample groups follow the packing: compiled, every new packing would recompile
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
     parameters = inspect.signature(original).parameters
@@ -200,7 +203,9 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     """The forward every covered mixer gets, bound to the layer (so a deep copy rebinds to the copy)."""
     adapter = REGISTRY[type(layer).__name__]
     original = getattr(layer, _ORIGINAL_FORWARD)
-    boundaries = active_boundaries.get()
+    boundaries = kwargs.get("packfree_boundaries")
+    if boundaries is None:
+        boundaries = active_boundaries.top()
     if adapter.attention is not None:
         return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
     if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
@@ -209,7 +214,7 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
     hidden = arguments.get(adapter.hidden_arg)
-    if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (boundaries.batch_size, boundaries.seq_len):
+    if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
         return original(*args, **kwargs)
     if adapter.native is not None:
         return adapter.native(layer, original, boundaries, arguments)
@@ -221,7 +226,7 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
     arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
-        if boundaries is not None and tuple(hidden.shape[:2]) == (boundaries.batch_size, boundaries.seq_len):
+        if boundaries is not None and boundaries.describes(*hidden.shape[:2]):
             return _generic(adapter, layer, original, boundaries, arguments)
         if isinstance(arguments.get("attention_mask"), Boundaries):
             raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
@@ -243,6 +248,8 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         if not hasattr(module, _ORIGINAL_FORWARD):
             setattr(module, _ORIGINAL_FORWARD, module.forward)
             module.forward = types.MethodType(_mixer_forward, module)
+        if adapter.native is not None:
+            routed_kernels_of(module)
         wrapped.append((path, adapter.tier))
     return wrapped
 

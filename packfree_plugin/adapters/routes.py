@@ -25,14 +25,16 @@ import inspect
 import re
 import sys
 from collections.abc import Callable
-from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import opaque
+from ..active import ThreadStack
 from ..boundaries import Boundaries
+from ..opaque import boundary_function
 
 __all__ = ["ROUTED_KERNELS", "install_routes", "native_forward", "uninstall_routes"]
 
@@ -51,17 +53,27 @@ class _NativeCall:
         self.routed = 0
 
 
-_ACTIVE: ContextVar[_NativeCall | None] = ContextVar("packfree_native_call", default=None)
+_ACTIVE: ThreadStack[_NativeCall] = ThreadStack()
+"""The native layer call in progress on this thread (None outside one)."""
 
 
 # ------------------------------------------------------------------------------------------ routes
+# Each route adapts a transformers kernel's call convention to a packfree op, called through
+# ``opaque.call`` so compiled graphs get it as one custom op that takes the boundaries as data.
+
+@boundary_function("packfree.causal_conv1d")
+def _conv_op(boundaries: Boundaries, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+             activation: str | None) -> torch.Tensor:
+    """``x [B, T, C]``, ``weight [C, K]`` -> ``[B, T, C]``."""
+    from ..ops.conv import causal_conv1d
+
+    return causal_conv1d(x, weight, bias, activation=activation, seq_idx=boundaries.seq_idx)
+
 
 def _conv(call: _NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
     """transformers' ``causal_conv1d_fn``: ``[B, C, T]`` in and out."""
-    from ..ops.conv import causal_conv1d
-
     x = hidden_states.to(weight.dtype).transpose(1, 2)
-    out = causal_conv1d(x, weight, bias, activation=activation, seq_idx=call.boundaries.seq_idx)
+    out = opaque.call("packfree.causal_conv1d", call.boundaries, x, weight, bias, activation=activation)
     return out.transpose(1, 2).to(hidden_states.dtype)
 
 
@@ -71,23 +83,52 @@ def _refuse_state(call: _NativeCall, kernel: str, **states: Any) -> None:
         raise ValueError(f"{call.layer_name}: {kernel} got {', '.join(given)} in a packed batch (no cache allowed)")
 
 
-def _gated_delta(call: _NativeCall, query, key, value, g, beta, chunk_size=64, initial_state=None,
-                 output_final_state=False, use_qk_l2norm_in_kernel=False, scale=None, **_: Any):
+def _like_value(query, key, value, *_: Any, **__: Any) -> torch.Tensor:
+    return torch.empty_like(value)
+
+
+@boundary_function("packfree.chunk_gated_delta_rule", output=_like_value)
+def _gated_delta_op(boundaries: Boundaries, query, key, value, g, beta, *, scale: float | None,
+                    use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+    """``q/k [B, T, H, K]``, ``v [B, T, H, V]``, ``g/beta [B, T, H]`` -> ``[B, T, H, V]``."""
     from ..ops.gated_delta import chunk_gated_delta_rule
 
+    return _flattened(boundaries, chunk_gated_delta_rule, query, key, value, g, beta, scale=scale,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+@boundary_function("packfree.chunk_kda", output=_like_value)
+def _kda_op(boundaries: Boundaries, q, k, v, g, beta, *, scale: float | None,
+            use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+    """``q/k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]``, ``beta [B, T, H]`` -> ``[B, T, H, V]``."""
+    from ..ops.gated_delta import chunk_kda
+
+    return _flattened(boundaries, chunk_kda, q, k, v, g, beta, scale=scale,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _flattened(boundaries: Boundaries, op: Callable, *tensors: torch.Tensor, **options: Any) -> torch.Tensor:
+    """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows."""
+    batch, seq_len = tensors[0].shape[:2]
+    flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
+    out, _ = op(*flat, cu_seqlens=boundaries.cu_seqlens, **options)
+    return out.reshape(batch, seq_len, *out.shape[2:]).to(tensors[2].dtype)
+
+
+def _gated_delta(call: _NativeCall, query, key, value, g, beta, chunk_size=64, initial_state=None,
+                 output_final_state=False, use_qk_l2norm_in_kernel=False, scale=None, **_: Any):
     _refuse_state(call, "chunk_gated_delta_rule", initial_state=initial_state, output_final_state=output_final_state)
     query, key = _value_heads(query, key, value)
-    return _flattened(call, chunk_gated_delta_rule, query, key, value, g, beta, scale=scale,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return opaque.call("packfree.chunk_gated_delta_rule", call.boundaries, query, key, value, g, beta, scale=scale,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
 def _kda(call: _NativeCall, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
          use_qk_l2norm_in_kernel=False, **_: Any):
-    from ..ops.gated_delta import chunk_kda
-
     _refuse_state(call, "chunk_kda", initial_state=initial_state, output_final_state=output_final_state)
     q, k = _value_heads(q, k, v)
-    return _flattened(call, chunk_kda, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return opaque.call("packfree.chunk_kda", call.boundaries, q, k, v, g, beta, scale=scale,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
 def _value_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,34 +139,43 @@ def _value_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     return query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
 
 
-def _flattened(call: _NativeCall, op: Callable, *tensors: torch.Tensor, **options: Any):
-    """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows."""
-    batch, seq_len = tensors[0].shape[:2]
-    flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
-    out, _ = op(*flat, cu_seqlens=call.boundaries.cu_seqlens, **options)
-    return out.reshape(batch, seq_len, *out.shape[2:]), None
+@boundary_function("packfree.ssd_chunk_scan")
+def _ssd_op(boundaries: Boundaries, x, dt, A, B, C, D, z, dt_bias, *, chunk_size: int, dt_softplus: bool,
+            dt_limit: list[float]) -> torch.Tensor:
+    """``x [B, T, H, P]`` -> ``[B, T, H, P]``."""
+    from ..ops.ssd import ssd_chunk_scan
+
+    return ssd_chunk_scan(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                          dt_limit=tuple(dt_limit), seq_idx=boundaries.seq_idx).to(x.dtype).contiguous()
 
 
 def _ssd(call: _NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **_: Any):
     """transformers' ``mamba_chunk_scan_combined``: ``x [B, T, H, P]``."""
-    from ..ops.ssd import ssd_chunk_scan
-
     _refuse_state(call, "mamba_chunk_scan_combined", initial_states=initial_states,
                   return_final_states=return_final_states)
-    return ssd_chunk_scan(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
-                          dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
-                          seq_idx=call.boundaries.seq_idx).contiguous()  # callers .view() it, as mamba-ssm allows
+    # contiguous: callers .view() the result, as mamba-ssm allows
+    return opaque.call("packfree.ssd_chunk_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, dt_bias,
+                       chunk_size=int(chunk_size), dt_softplus=bool(dt_softplus),
+                       dt_limit=[float(v) for v in dt_limit])
+
+
+@boundary_function("packfree.selective_scan")
+def _selective_scan_op(boundaries: Boundaries, u, delta, A, B, C, D, z, delta_bias, *,
+                       delta_softplus: bool) -> torch.Tensor:
+    """``u [B, D, T]`` -> ``[B, D, T]``."""
+    from ..ops.selective_scan import selective_scan
+
+    return selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                          seq_idx=boundaries.seq_idx).to(u.dtype).contiguous()
 
 
 def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
                     delta_softplus=False, return_last_state=False, **_: Any):
     """transformers' ``selective_scan_fn``: ``u [B, D, T]``."""
-    from ..ops.selective_scan import selective_scan
-
     _refuse_state(call, "selective_scan_fn", return_last_state=return_last_state)
-    return selective_scan(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                          seq_idx=call.boundaries.seq_idx).contiguous()
+    return opaque.call("packfree.selective_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, delta_bias,
+                       delta_softplus=bool(delta_softplus), rows=(hidden_states.shape[0], hidden_states.shape[2]))
 
 
 def _unfused(call: _NativeCall, *args: Any, **kwargs: Any) -> None:
@@ -173,7 +223,7 @@ def _router(kernel: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any):
-        call = _ACTIVE.get()
+        call = _ACTIVE.top()
         if call is None:
             return original(*args, **kwargs)
         call.routed += 1
@@ -183,8 +233,13 @@ def _router(kernel: str, original: Callable) -> Callable:
     return routed
 
 
+_INSTALLED: set[str] = set()
+"""Names of the modeling modules whose kernel functions are routed now."""
+
+
 def install_routes(module: ModuleType) -> list[str]:
     """Wrap every routed kernel function declared in ``module`` (idempotent); returns their kernel names."""
+    _INSTALLED.add(module.__name__)
     installed = []
     for kernel, function in _declared_kernels(module.__name__):
         current = getattr(module, function, None)
@@ -205,8 +260,10 @@ def uninstall_routes() -> None:
             current = getattr(module, function, None)
             if current is not None and hasattr(current, _ROUTED_ATTR):
                 setattr(module, function, getattr(current, _ROUTED_ATTR))
+    _INSTALLED.clear()
 
 
+@torch.compiler.disable  # reads source files; runs when a model is prepared, so compiled code never gets here
 def routed_kernels_of(layer: nn.Module) -> list[str]:
     """Kernel names the layer's modeling module declares and packfree routes (installing the routes)."""
     module = sys.modules.get(type(layer).__module__)
@@ -226,13 +283,14 @@ def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries,
                 raise ValueError(f"{type(layer).__name__}: a cache was passed with a packed batch")
     extra = {k: v for k, v in extra.items() if k not in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k",
                                                          "max_length_q", "max_length_k", "packfree_boundaries")}
-    routed_kernels_of(layer)
+    if type(layer).__module__ not in _INSTALLED:  # routes were removed (unregister) since the model was prepared
+        routed_kernels_of(layer)
     call = _NativeCall(boundaries, type(layer).__name__)
-    token = _ACTIVE.set(call)
+    _ACTIVE.push(call)
     try:
         out = original(**arguments, **extra)
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()
     if call.routed <= 0:
         raise ValueError(
             f"{type(layer).__name__} routed none of its sequence mixing through a known kernel function; "

@@ -1,7 +1,6 @@
 """Packed attention: the ``"packfree"`` attention/mask functions and their backends."""
 
 from .interface import (
-    active_boundaries,
     choose_backend,
     packfree_attention_forward,
     packfree_attention_mask,
@@ -11,7 +10,6 @@ from .reference import AttentionOptions, eager_attention
 
 __all__ = [
     "AttentionOptions",
-    "active_boundaries",
     "choose_backend",
     "eager_attention",
     "packfree_attention_forward",

@@ -17,19 +17,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from contextvars import ContextVar
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .. import opaque
+from ..opaque import boundary_function
+from ..active import active_boundaries
 from ..boundaries import Boundaries
 from .reference import AttentionOptions, eager_attention
-from .segments import segment_attention, segment_attention_op
+from .segments import segment_attention
 from .varlen import VARLEN_BACKENDS, on_accelerator
 
 __all__ = [
-    "active_boundaries",
     "choose_backend",
     "packfree_attention_forward",
     "packfree_attention_mask",
@@ -37,9 +38,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-active_boundaries: ContextVar[Boundaries | None] = ContextVar("packfree_active_boundaries", default=None)
-"""Boundaries of the forward in progress, set by the model hook for the mask function."""
 
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
@@ -70,21 +68,43 @@ def run_packed_attention(
     training: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Packed self-attention: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``."""
+    """Packed self-attention: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``.
+
+    While compiling (and unless dropout is on) the call runs inside packfree's opaque custom op, where the
+    backend reads the boundaries on the host without breaking the graph or recompiling per packing.
+    """
     batch, _, seq_len, _ = query.shape
-    if (batch, seq_len) != (boundaries.batch_size, boundaries.seq_len) or key.shape[2] != seq_len:
+    if not boundaries.describes(batch, seq_len) or key.shape[2] != seq_len:
         raise ValueError(
             f"packed boundaries describe [B={boundaries.batch_size}, T={boundaries.seq_len}] but attention got "
             f"queries [B={batch}, T={seq_len}] and keys of length {key.shape[2]} (cross-attention or a cache "
             "cannot be combined with a packed batch)"
         )
+    if torch.compiler.is_compiling() and not (training and options.dropout > 0):
+        return opaque.call("packfree.packed_attention", boundaries, query, key, value, options.sinks,
+                           scale=options.scale, causal=options.causal, window=options.window, softcap=options.softcap,
+                           training=training, backend=backend, rows=(batch, seq_len))
+    return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
+
+
+def _attention_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
+    batch, heads, seq_len, _ = query.shape
+    return query.new_empty(batch, seq_len, heads, value.shape[-1])
+
+
+@boundary_function("packfree.packed_attention", output=_attention_output)
+def _packed_attention_function(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               sinks: torch.Tensor | None, *, scale: float, causal: bool, window: int | None,
+                               softcap: float | None, training: bool, backend: str | None) -> torch.Tensor:
+    """:func:`run_packed_attention` without dropout, as compiled graphs call it through the opaque op."""
+    options = AttentionOptions(scale, causal, window, softcap, sinks)
+    return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
+
+
+def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: Boundaries,
+                 options: AttentionOptions, *, training: bool, backend: str | None) -> torch.Tensor:
     backend = backend or choose_backend(query, options, training=training)
     if backend == "segments":
-        if torch.compiler.is_compiling() and not (training and options.dropout > 0):
-            return segment_attention_op(
-                query, key, value, boundaries.host_offsets, boundaries.host_padding, options.sinks, options.scale,
-                options.causal, options.window or 0, options.softcap or 0.0,
-            )
         return segment_attention(query, key, value, boundaries, options, training=training)
     chosen = next(b for b in VARLEN_BACKENDS if b.name == backend)
     if not chosen.available():
@@ -185,10 +205,8 @@ def packfree_attention_mask(
     **kwargs,
 ) -> Boundaries | torch.Tensor | None:
     """transformers' mask-function contract. Returns this forward's boundaries when there are any."""
-    boundaries = active_boundaries.get()
-    if boundaries is not None and (batch_size, q_length, kv_length) == (
-        boundaries.batch_size, boundaries.seq_len, boundaries.seq_len
-    ):
+    boundaries = active_boundaries.top()
+    if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         if not use_vmap:
             return boundaries
         raise ValueError(

@@ -7,10 +7,10 @@ batched. Sliding windows are computed in query blocks over only the keys in reac
 softcapping and sinks, which SDPA cannot express, go through the eager reference in the same blocks.
 Padding segments produce zeros.
 
-Under ``torch.compile`` the same computation runs as the opaque custom op ``packfree::segment_attention``
-(:func:`segment_attention_op`), which receives the boundaries as a small CPU tensor: compiled graphs then
-neither unroll the segment loop nor recompile when the packing changes. Its backward recomputes the
-forward under autograd (one extra attention forward), so it is used only while compiling.
+Under ``torch.compile`` the same computation runs inside packfree's opaque custom op
+(:mod:`packfree_plugin.opaque`, via :func:`~packfree_plugin.attention.run_packed_attention`), which
+receives the boundaries as a small CPU tensor: compiled graphs then neither unroll the segment loop nor
+recompile when the packing changes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..boundaries import Boundaries
 from .reference import AttentionOptions, eager_attention, visible_keys
 
-__all__ = ["segment_attention", "segment_attention_op", "QUERY_BLOCK"]
+__all__ = ["segment_attention", "QUERY_BLOCK"]
 
 QUERY_BLOCK = 256
 """Queries per block when a window, softcap or sinks force blockwise computation."""
@@ -114,94 +114,3 @@ def _block(
         query, key, value, attn_mask=visible, dropout_p=options.dropout if training else 0.0, scale=options.scale,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-
-
-@torch.library.custom_op("packfree::segment_attention", mutates_args=())
-def segment_attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    host_offsets: torch.Tensor,
-    host_padding: torch.Tensor,
-    sinks: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    """:func:`segment_attention` as a custom op. ``host_offsets [N+1]``/``host_padding [N]``: CPU tensors
-    (:attr:`Boundaries.host_offsets`); ``window``/``softcap`` 0 for none. No dropout."""
-    return segment_attention(query, key, value, *_op_inputs(query, host_offsets, host_padding, sinks, scale, causal,
-                                                            window, softcap))
-
-
-def _op_inputs(query, host_offsets, host_padding, sinks, scale, causal, window, softcap):
-    boundaries = Boundaries(host_offsets.tolist(), batch_size=query.shape[0], seq_len=query.shape[2],
-                            device=query.device, padding=host_padding.tolist())
-    return boundaries, AttentionOptions(scale, causal, window or None, softcap or None, sinks)
-
-
-@segment_attention_op.register_fake
-def _(query, key, value, host_offsets, host_padding, sinks, scale, causal, window, softcap) -> torch.Tensor:
-    batch, heads, seq_len, _ = query.shape
-    return query.new_empty(batch, seq_len, heads, value.shape[-1])
-
-
-def _save(ctx, inputs, output) -> None:
-    query, key, value, host_offsets, host_padding, sinks, *options = inputs
-    ctx.save_for_backward(query, key, value, host_offsets, host_padding, sinks)
-    ctx.options = options
-
-
-@torch.library.custom_op("packfree::segment_attention_backward", mutates_args=())
-def _segment_attention_backward(
-    grad: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    host_offsets: torch.Tensor,
-    host_padding: torch.Tensor,
-    sinks: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    window: int,
-    softcap: float,
-) -> list[torch.Tensor]:
-    """Gradients of :func:`segment_attention_op` by recomputing its forward: ``[dq, dk, dv, dsinks]``
-    (``dsinks`` empty when there are no sinks)."""
-    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-    sinks_leaf = sinks.detach().requires_grad_() if sinks is not None else None
-    with torch.enable_grad(), _autograd_inside_custom_op():
-        out = segment_attention(*leaves, *_op_inputs(query, host_offsets, host_padding, sinks_leaf, scale, causal,
-                                                     window, softcap))
-        wrt = [*leaves, *([sinks_leaf] if sinks_leaf is not None else [])]
-        grads = list(torch.autograd.grad(out, wrt, grad))
-    return grads if sinks_leaf is not None else [*grads, query.new_empty(0)]
-
-
-def _autograd_inside_custom_op() -> torch._C._ForceDispatchKeyGuard:
-    """Custom ops run with autograd dispatch keys excluded; the recomputing backward needs them back
-    (autocast stays excluded, as it was for the forward)."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    autocast = [key for name, key in vars(torch._C.DispatchKey).items()
-                if name.startswith("Autocast") and isinstance(key, torch._C.DispatchKey) and excluded.has(key)]
-    keep = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).remove(torch._C.DispatchKey.AutocastCPU)
-    for key in autocast:
-        keep = keep.add(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
-
-
-@_segment_attention_backward.register_fake
-def _(grad, query, key, value, host_offsets, host_padding, sinks, scale, causal, window, softcap):
-    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            torch.empty_like(sinks) if sinks is not None else query.new_empty(0)]
-
-
-def _backward(ctx, grad: torch.Tensor):
-    query, key, value, host_offsets, host_padding, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _segment_attention_backward(grad, query, key, value, host_offsets, host_padding, sinks,
-                                                     *ctx.options)
-    return dq, dk, dv, None, None, dsinks if sinks is not None else None, None, None, None, None
-
-
-segment_attention_op.register_autograd(_backward, setup_context=_save)
