@@ -11,8 +11,8 @@ from packfree_plugin.tiny import load_model
 FAMILIES = ("llama", "qwen3_next", "mamba2", "lfm2")
 """One representative tiny model per family: attention only, Gated DeltaNet hybrid, Mamba2, LFM2 short conv."""
 
-STOCK = {"mamba2": "eager"}
-"""Stock implementation of the reference twin (Mamba2 has no sdpa path); sdpa otherwise."""
+STOCK = {"mamba2": "eager", "falcon_mamba": "eager"}
+"""Stock implementation of the reference twin (pure Mamba models have no sdpa path); sdpa otherwise."""
 
 
 def fresh_pair(model_type: str, *, dtype: torch.dtype = torch.float64, seed: int = 0):
