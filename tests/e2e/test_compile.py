@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import packfree_plugin
 from packfree_plugin.tiny import tiny_config
@@ -47,9 +47,15 @@ def _model(config, dtype: torch.dtype = torch.float32):
                                             experts_implementation="eager")
 
 
-def _row(lengths: tuple[int, ...], seed: int = 0) -> dict[str, torch.Tensor]:
+def _row(lengths: tuple[int, ...], seed: int = 0, *, flash_kwargs: bool = False) -> dict[str, torch.Tensor]:
+    """One packed row: position_ids only (TRL), or with ``cu_seq_lens_*``/``max_length_*`` as
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` sends them."""
     generator = torch.Generator().manual_seed(seed)
-    return packed_row([torch.randint(3, 128, (n,), generator=generator) for n in lengths])
+    samples = [torch.randint(3, 128, (n,), generator=generator) for n in lengths]
+    if flash_kwargs:
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in samples])
+        return {k: v for k, v in batch.items() if k != "labels"}
+    return packed_row(samples)
 
 
 def graphs_per_forward(model_type: str, layers: int) -> int:
@@ -80,8 +86,10 @@ def test_boundaries_cause_no_graph_break_per_layer(model_type: str, record_prope
     assert counts[4] == counts[2] <= 2, f"{model_type} graphs per forward by layer count: {counts}"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2", "lfm2"])
-def test_new_packings_do_not_recompile(model_type: str) -> None:
+@pytest.mark.parametrize(("model_type", "flash_kwargs"), [
+    ("llama", False), ("qwen3_next", False), ("qwen3_next", True), ("mamba2", False), ("lfm2", False),
+], ids=["llama", "qwen3_next", "qwen3_next-cu_seq_lens", "mamba2", "lfm2"])
+def test_new_packings_do_not_recompile(model_type: str, flash_kwargs: bool) -> None:
     """Boundaries are graph data. After a warm-up (the first new sample count and the first new row length
     each compile once, as Dynamo then marks that size dynamic), new packings and row lengths compile nothing."""
     model = _model(tiny_config(model_type)).eval()
@@ -90,10 +98,10 @@ def test_new_packings_do_not_recompile(model_type: str) -> None:
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         for lengths in ((5, 9, 3), (8, 9), (6, 10, 4)):  # warm-up: new sample count, new row length
-            compiled(**_row(lengths), use_cache=False)
+            compiled(**_row(lengths, flash_kwargs=flash_kwargs), use_cache=False)
         warm = backend.compiled
         for lengths in ((1, 2, 3, 4, 7), (16, 1), (11, 12), (2, 3, 4, 5, 6, 7), (9, 3, 1, 8, 2, 2, 5)):
-            batch = _row(lengths)
+            batch = _row(lengths, flash_kwargs=flash_kwargs)
             assert_close(compiled(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits,
                          atol=1e-6, rtol=0, what=f"compiled {model_type} {lengths}")
         recompiles = backend.compiled - warm
