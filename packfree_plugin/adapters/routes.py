@@ -270,8 +270,7 @@ def routed_kernels_of(layer: nn.Module) -> list[str]:
     return install_routes(module) if module is not None else []
 
 
-def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries, arguments: dict[str, Any],
-                   *, hidden_arg: str = "hidden_states") -> Any:
+def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
     """Run ``layer``'s own forward on the packed batch with its kernel calls routed to packfree's ops."""
     arguments = dict(arguments)
     extra = arguments.pop("kwargs", {})

@@ -128,10 +128,8 @@ def _per_channel_gram(q, k, gc, beta):
     return A * beta[..., :, None], P
 
 
-def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channel: bool):
-    """Core on packed chunks. ``q, k [M, H, C, K]`` (q scaled), ``v [M, H, C, V]``, ``gc`` in-chunk cumulative
-    log decay ``[M, H, C]`` or ``[M, H, C, K]``, ``beta [M, H, C]``, ``h0 [N, H, K, V]`` in rank order.
-    Returns ``o [M, H, C, V]`` and final states ``[N, H, K, V]`` in rank order."""
+def _intra_chunk(q, k, v, gc, beta, *, per_channel: bool):
+    """Everything that is independent per chunk: ``(P, U, W, qg, decay_last, k_end)``."""
     C = q.shape[-2]
     if per_channel:
         A, P = _per_channel_gram(q, k, gc, beta)
@@ -139,23 +137,39 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
         last = gc[..., -1:, :]  # [M, H, 1, K]
         k_end = k * torch.exp(last - gc)
         decay_last = torch.exp(last).transpose(-1, -2)  # [M, H, K, 1]
-        qg = q * gain
-        kg = k * gain
     else:
         A, P = _scalar_gram(q, k, gc, beta)
         gain = torch.exp(gc)[..., None]  # [M, H, C, 1]
         last = gc[..., -1:]  # [M, H, 1]
         k_end = k * torch.exp(last - gc)[..., None]
         decay_last = torch.exp(last)[..., None]  # [M, H, 1, 1]
-        qg = q * gain
-        kg = k * gain
+    qg = q * gain
+    kg = k * gain
     # T = (I + A)^-1 once (C right-hand sides), then plain matmuls: on CPU a batched triangular solve against
     # the [C, K + V] right-hand side is ~10x slower than solving against I and multiplying.
     eye = torch.eye(C, dtype=A.dtype, device=A.device)
     T_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
     T_inv = T_inv * beta[..., None, :]  # fold beta into the right-hand sides' rows
-    U = T_inv @ v
-    W = T_inv @ kg
+    return P, T_inv @ v, T_inv @ kg, qg, decay_last, k_end
+
+
+KDA_CHUNKS_PER_BLOCK = 16
+"""KDA's per-channel Gram matrices build ``[M, H, C, K]``-sized intermediates at every halving level; computed
+16 chunks at a time they stay in cache. Measured (fwd+bwd, 4096 tokens in 16 samples, H=8, K=V=128, 1 thread):
+1.07-1.10 s against 1.39-1.44 s all at once. Gated DeltaNet's scalar-decay path is faster all at once (blocks of
+16 were 10-15% slower)."""
+
+
+def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channel: bool):
+    """Core on packed chunks. ``q, k [M, H, C, K]`` (q scaled), ``v [M, H, C, V]``, ``gc`` in-chunk cumulative
+    log decay ``[M, H, C]`` or ``[M, H, C, K]``, ``beta [M, H, C]``, ``h0 [N, H, K, V]`` in rank order.
+    Returns ``o [M, H, C, V]`` and final states ``[N, H, K, V]`` in rank order."""
+    if per_channel:
+        blocks = [_intra_chunk(*parts, per_channel=True)
+                  for parts in zip(*(t.split(KDA_CHUNKS_PER_BLOCK) for t in (q, k, v, gc, beta)))]
+        P, U, W, qg, decay_last, k_end = (torch.cat(parts) for parts in zip(*blocks))
+    else:
+        P, U, W, qg, decay_last, k_end = _intra_chunk(q, k, v, gc, beta, per_channel=False)
     Vd = v.shape[-1]
 
     def step(S, u, w, dl, ke):
