@@ -2,8 +2,8 @@
 
 :func:`environment` lists torch/transformers and the optional kernel packages. :func:`plan` builds a model's
 skeleton on the ``meta`` device (no weights, no memory) from a model directory's config or a model type,
-and says for every layer that mixes tokens along the sequence which backend will run it on this machine and
-whether packed samples stay isolated there.
+and says for every layer that mixes tokens along the sequence which backend will run it on this machine,
+whether packed samples stay isolated there, and whether it stays inside ``torch.compile``'s graph.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ KERNEL_PACKAGES = {
 }
 
 
+IN_GRAPH = "in the graph"
+OUTSIDE_GRAPH = "eager (1 graph break)"
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     path: str
@@ -37,6 +41,8 @@ class LayerPlan:
     backend: str
     boundary_safe: bool
     note: str = ""
+    compiled: str = IN_GRAPH
+    """How the layer runs under ``torch.compile``: inside the graph (packfree's opaque op), or eagerly."""
 
 
 def environment() -> list[tuple[str, str | None]]:
@@ -79,17 +85,15 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from transformers import AutoModelForCausalLM
-
     from .adapters import families  # noqa: F401  (fills REGISTRY)
     from .adapters.registry import REGISTRY, _looks_like_a_mixer
-    from .tiny import load_config
+    from .tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run_dtype = dtype or (torch.bfloat16 if run_device.type == "cuda" else torch.float32)
     config = load_config(target)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = auto_class(config).from_config(config, attn_implementation="eager")
     plans: list[LayerPlan] = []
     inside: list[str] = []
     for path, module in model.named_modules():
@@ -101,25 +105,29 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
             inside.append(path)
             attention = getattr(adapter, "attention", None)
             backend = f"{adapter.family} ({adapter.tier} tier" + (f", stock {attention} per sample)" if attention else ")")
-            plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True))
+            compiled = IN_GRAPH if adapter.tier == "native" else OUTSIDE_GRAPH
+            plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True, compiled=compiled))
         elif _is_attention(module):
-            inside.append(path)
+            # an attention layer holding an adapted mixer (e.g. ZAYA's conv projection) lists that mixer too
+            if not any(type(child).__name__ in REGISTRY for child in module.modules()):
+                inside.append(path)
             backend = _attention_backend(module, model.config, run_device, run_dtype)
             plans.append(LayerPlan(path, name, "attention", backend, True))
-        elif _looks_like_a_mixer(module):
+        elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             inside.append(path)
             plans.append(LayerPlan(path, name, "mixer", "none", False,
-                                   "no adapter: packfree refuses to load this model"))
+                                   "no adapter: packfree refuses to load this model", compiled="-"))
     return plans
 
 
 def render(plans: list[LayerPlan]) -> str:
     """A Markdown table, consecutive identical layers folded into one row."""
-    lines = ["| layers | class | kind | backend | boundary-safe |", "|---|---|---|---|---|"]
+    lines = ["| layers | class | kind | backend | boundary-safe | under torch.compile |", "|---|---|---|---|---|---|"]
     groups: list[list[LayerPlan]] = []
     for item in plans:
         last = groups[-1][-1] if groups else None
-        if last is not None and (last.cls, last.backend, last.boundary_safe) == (item.cls, item.backend, item.boundary_safe):
+        if last is not None and (last.cls, last.backend, last.boundary_safe, last.compiled) == (
+                item.cls, item.backend, item.boundary_safe, item.compiled):
             groups[-1].append(item)
         else:
             groups.append([item])
@@ -127,5 +135,5 @@ def render(plans: list[LayerPlan]) -> str:
         first = group[0]
         where = first.path if len(group) == 1 else f"{first.path} .. {group[-1].path} ({len(group)})"
         safe = "yes" if first.boundary_safe else f"NO ({first.note})"
-        lines.append(f"| {where} | {first.cls} | {first.kind} | {first.backend} | {safe} |")
+        lines.append(f"| {where} | {first.cls} | {first.kind} | {first.backend} | {safe} | {first.compiled} |")
     return "\n".join(lines)

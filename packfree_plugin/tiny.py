@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "is_model_dir", "load_config", "load_model", "tiny_config"]
+__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config"]
 
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -35,11 +35,20 @@ _SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_k
                num_local_experts=4, num_experts_per_tok=2, n_embd=64, n_layer=2, n_head=4)
 
 
-def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int = 2,
+def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int | None = None,
                 **overrides: Any):
-    """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``). Unknown types: defaults shrunk."""
+    """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``): :data:`FAMILIES` first, then the
+    per-model-type :data:`~packfree_plugin.catalogue.CATALOGUE` (its own sizes), else the type's defaults
+    shrunk. ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth)."""
     from transformers import AutoConfig
 
+    from .catalogue import CATALOGUE, catalogue_config
+
+    if model_type not in FAMILIES and model_type in CATALOGUE:
+        if num_hidden_layers is not None:
+            overrides["num_hidden_layers"] = num_hidden_layers
+        return catalogue_config(model_type, **overrides)
+    num_hidden_layers = num_hidden_layers or 2
     base = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if model_type in FAMILIES:
@@ -54,14 +63,19 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
         return AutoConfig.for_model(model_type, **kwargs)
     config = AutoConfig.for_model(model_type)
     for name, value in {**_SHRINK, **base, **overrides}.items():
-        if hasattr(config, name):
+        if hasattr(config, name) and not _derived(config, name):
             setattr(config, name, value)
     layer_types = getattr(config, "layer_types", None)
-    settable = not isinstance(getattr(type(config), "layer_types", None), property)  # some derive it from others
-    if settable and isinstance(layer_types, list) and layer_types:
+    if not _derived(config, "layer_types") and isinstance(layer_types, list) and layer_types:
         distinct = list(dict.fromkeys(layer_types))
         config.layer_types = [distinct[i % len(distinct)] for i in range(config.num_hidden_layers)]
     return config
+
+
+def _derived(config, name: str) -> bool:
+    """Whether the config computes ``name`` from other fields (a property without a setter)."""
+    attribute = getattr(type(config), name, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 def is_model_dir(target: str) -> bool:
@@ -75,13 +89,20 @@ def load_config(target: str):
     return AutoConfig.from_pretrained(target) if is_model_dir(target) else tiny_config(target)
 
 
+def auto_class(config):
+    """``AutoModelForCausalLM`` for a config that has a causal-LM head, else ``AutoModel`` (text backbones)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+
+
 def load_model(target: str, attn_implementation: str, *, dtype: torch.dtype = torch.float64, seed: int = 0):
-    """A causal LM from a model directory (its weights) or a model type (tiny, seeded random weights), in eval mode.
+    """A causal LM (or, for a backbone-only type, the base model) from a model directory (its weights) or a
+    model type (tiny, seeded random weights), in eval mode.
 
     Mixture-of-experts layers use the ``eager`` experts implementation, which every dtype supports.
     """
-    from transformers import AutoModelForCausalLM
-
     if attn_implementation == "packfree":
         from .registration import register
 
@@ -89,6 +110,7 @@ def load_model(target: str, attn_implementation: str, *, dtype: torch.dtype = to
     kwargs: dict[str, Any] = dict(attn_implementation=attn_implementation, dtype=dtype,
                                   experts_implementation="eager")
     if is_model_dir(target):
-        return AutoModelForCausalLM.from_pretrained(target, **kwargs).eval()
+        return auto_class(load_config(target)).from_pretrained(target, **kwargs).eval()
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(target), **kwargs).eval()
+    config = tiny_config(target)
+    return auto_class(config).from_config(config, **kwargs).eval()

@@ -41,12 +41,16 @@ class AuditResult:
     compared: int
     unaligned: int
     leaks: list[Leak] = field(default_factory=list)
+    failure: str | None = None
+    """Why the model could not run the audit at all (only ever set for the stock reference)."""
 
     @property
     def ok(self) -> bool:
-        return not self.leaks
+        return not self.leaks and self.failure is None
 
     def summary(self, limit: int = 12) -> str:
+        if self.failure is not None:
+            return f"{self.attn_implementation}: could not run this input ({self.failure})"
         head = (f"{self.attn_implementation}: samples {self.lengths}, perturbed sample {self.perturbed}; "
                 f"{self.compared} module outputs compared ({self.unaligned} unaligned skipped) in "
                 f"{self.modules} modules: ")
@@ -180,5 +184,9 @@ def verify(target: str, *, lengths: Sequence[int] = (7, 5, 9, 6), reference: str
         except ValueError:  # e.g. Mamba2 has no sdpa path: its stock implementation is eager
             stock = load_model(target, "eager", dtype=dtype)
         stock.load_state_dict(model.state_dict())
-        theirs = audit(stock, lengths=lengths)
+        try:
+            theirs = audit(stock, lengths=lengths)
+        except Exception as error:  # the reference is informative: its own bugs must not hide packfree's verdict
+            implementation = stock.config._attn_implementation
+            theirs = AuditResult(implementation, list(lengths), 0, 0, 0, 0, failure=f"{type(error).__name__}: {error}")
     return mine, theirs

@@ -17,7 +17,7 @@ import packfree_plugin
 from packfree_plugin.tiny import tiny_config
 from packfree_plugin.verify import packed_row
 from tests.conftest import assert_close
-from tests.models.hybrid_configs import hybrid_config
+from packfree_plugin.catalogue import catalogue_config
 
 NATIVE_FAMILIES = ["llama", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "lfm2"]
 """Attention, Gated DeltaNet, KDA, Mamba2 SSD, Mamba1 selective scan, short conv."""
@@ -114,7 +114,7 @@ def test_new_packings_do_not_recompile(model_type: str, flash_kwargs: bool) -> N
 def test_compiled_training_step_matches_eager(model_type: str) -> None:
     """Loss and every parameter gradient of a compiled packed step (AOT autograd, so the backward of
     packfree's custom op runs) equal eager's, in float64."""
-    config = tiny_config(model_type) if model_type != "kimi_linear" else hybrid_config(model_type)
+    config = tiny_config(model_type)
     model = _model(config, torch.float64).train()
     batch = _row((5, 9, 3), seed=1)
     labels = batch["input_ids"].clone()
@@ -141,7 +141,7 @@ def test_compiled_training_step_matches_eager(model_type: str) -> None:
 def test_generic_tier_runs_eagerly_inside_compiled_models() -> None:
     """Generic-tier mixers (here RWKV's) regroup samples by the packing, so they run outside the graph: the
     compiled model still matches eager and a new packing compiles nothing."""
-    model = _model(hybrid_config("rwkv")).eval()
+    model = _model(catalogue_config("rwkv")).eval()
     backend = CountingBackend()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)

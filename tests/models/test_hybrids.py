@@ -1,6 +1,6 @@
 """Every hybrid / recurrent model type under packfree against stock transformers running each sample alone.
 
-For each type in :data:`~tests.models.hybrid_configs.HYBRID_CONFIGS` (float64 where the model allows):
+For each type in :data:`~packfree_plugin.catalogue.CATALOGUE` (float64 where the model allows):
 packed logits equal each sample alone for (a) ``position_ids`` only (TRL padding-free), (b) everything
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)`` returns, (c) B > 1 packed
 rows with tail padding and an ``attention_mask`` under the model's default ``use_cache``; a loss on one
@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packfree_plugin
 from packfree_plugin.adapters.registry import check_coverage
 from tests.conftest import assert_close
-from tests.models.hybrid_configs import HYBRID_CONFIGS, hybrid_config
+from packfree_plugin.catalogue import CATALOGUE, catalogue_config
 
 LENGTHS = [7, 1, 12, 3]  # longer than the tiny block / chunk / window / compression sizes of the configs
 ROWS = [[5, 2], [9], [1, 3, 4]]  # B = 3 packed rows, tail-padded to a common length
@@ -45,7 +45,7 @@ FLOAT32_INSIDE: dict[str, float] = {
     "inkling2_text": _F32, "inkling2_loop_text": _F32,  # log scaling and relative bias computed in fp32
 }
 STOCK_CACHE_BROKEN = {"xlstm"}  # stock xLSTM with qk_dim_factor < 1 fails to build its cache: compare without one
-MODEL_TYPES = list(HYBRID_CONFIGS)
+MODEL_TYPES = list(CATALOGUE)
 FLOAT64_TOLERANCE = 1e-10
 MAX_DIFF: dict[str, float] = {}
 
@@ -61,13 +61,13 @@ def pair(model_type: str):
     auto = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
     kwargs = dict(dtype=torch.float64, experts_implementation="eager")
     torch.manual_seed(0)
-    stock = auto.from_config(hybrid_config(model_type), **kwargs).eval()
+    stock = auto.from_config(catalogue_config(model_type), **kwargs).eval()
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for parameter in stock.parameters():
             if parameter.is_floating_point():
                 parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
-    model = auto.from_config(hybrid_config(model_type), attn_implementation="packfree", **kwargs).eval()
+    model = auto.from_config(catalogue_config(model_type), attn_implementation="packfree", **kwargs).eval()
     model.load_state_dict(stock.state_dict())
     return model, stock
 
@@ -209,7 +209,7 @@ def test_a_refused_layer_class_raises_at_load_with_its_reason(monkeypatch) -> No
     packfree_plugin.register()
     monkeypatch.setitem(families.REFUSED, "Lfm2ShortConv", "no exact packed path (test)")
     with pytest.raises(ValueError, match=r"Lfm2ShortConv \(no exact packed path \(test\)\)"):
-        AutoModelForCausalLM.from_config(hybrid_config("lfm2"), attn_implementation="packfree")
+        AutoModelForCausalLM.from_config(catalogue_config("lfm2"), attn_implementation="packfree")
 
 
 def test_an_unknown_mixer_still_raises_at_load() -> None:

@@ -1,8 +1,12 @@
-"""One tiny config per hybrid / recurrent model type: every layer kind of the model, hidden <= 64, vocab 128."""
+"""One tiny config per hybrid / recurrent model type packfree covers: every layer kind of the model, hidden <= 64,
+vocabulary 128. The model tests run each of them; ``packfree verify`` / ``doctor`` and
+:func:`packfree_plugin.tiny.tiny_config` use them for a bare model type."""
 
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = ["CATALOGUE", "catalogue_config"]
 
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _BASE = dict(hidden_size=64, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -10,7 +14,7 @@ _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_di
             linear_conv_kernel_dim=4)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
-HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+CATALOGUE: dict[str, dict[str, Any]] = {
     # ---------------------------------------------------------------- Gated DeltaNet
     "qwen3_next": dict(**_BASE, **_ATTN, **_GDN, **_MOE, num_hidden_layers=2, intermediate_size=64,
                        layer_types=["linear_attention", "full_attention"]),
@@ -130,8 +134,20 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
 """Model type -> config overrides. Every layer kind of the model appears at least once."""
 
 
-def hybrid_config(model_type: str):
-    """A fresh tiny config for ``model_type`` (never shared: loading sets its attention implementation)."""
+def catalogue_config(model_type: str, **overrides: Any):
+    """A fresh tiny config for ``model_type`` (never shared: loading sets its attention implementation).
+
+    ``num_hidden_layers`` in ``overrides`` tiles the entry's per-layer lists (``layer_types``, ...) to that depth.
+    """
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **HYBRID_CONFIGS[model_type])
+    entry = dict(CATALOGUE[model_type])
+    layers = overrides.get("num_hidden_layers")
+    if layers is not None and layers != entry.get("num_hidden_layers"):
+        if "num_hidden_layers" not in entry:
+            raise ValueError(f"the {model_type} catalogue entry fixes its layer pattern; num_hidden_layers cannot change")
+        count = entry["num_hidden_layers"]
+        for key, value in entry.items():
+            if isinstance(value, list) and len(value) == count:
+                entry[key] = [value[i % count] for i in range(layers)]
+    return AutoConfig.for_model(model_type, **{**entry, **overrides})
