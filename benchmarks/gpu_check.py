@@ -6,7 +6,8 @@ portable path on the CPU in float32; the table gives the max difference and the 
 the portable path on the same GPU. Each mixer op's CUDA route (causal-conv1d,
 fla GDN/KDA, mamba-ssm SSD; whichever installs) is compared with packfree's torch path on the same
 packed inputs and timed against it. A tiny Llama then runs a packed row end to end on the GPU with
-``attn_implementation="packfree"`` and is compared with each sample alone. Every check reports its own
+``attn_implementation="packfree"`` and is compared with each sample alone, and compiled packed training
+steps (Llama, Qwen3-Next, Mamba2) are compared with eager and their graphs counted. Every check reports its own
 failure instead of stopping the script. Prints Markdown; exit code 1 if any available check fails.
 """
 
@@ -159,13 +160,66 @@ def model_row() -> dict:
             "status": "ok" if diff < 5e-2 else "MISMATCH"}
 
 
+def compiled_rows() -> list[dict]:
+    """``torch.compile`` (inductor) on the GPU: one packed bf16 training step of tiny Llama, Qwen3-Next (GDN)
+    and Mamba2 against eager (loss and largest gradient difference), and graphs per forward."""
+    from transformers import AutoModelForCausalLM
+
+    import packfree_plugin
+    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.verify import packed_row
+
+    packfree_plugin.register()
+    rows = []
+    for model_type in ("llama", "qwen3_next", "mamba2"):
+        row = {"check": f"compiled packed step {model_type} (bf16)", "tokens": 1000}
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="packfree",
+                                                     dtype=torch.bfloat16).cuda().train()
+            batch = {k: v.cuda() for k, v in packed_row([torch.randint(3, 128, (n,)) for n in skewed_lengths(1000)]).items()}
+
+            def step(module) -> tuple[float, list[torch.Tensor]]:
+                model.zero_grad(set_to_none=True)
+                loss = module(**batch, labels=batch["input_ids"], use_cache=False).loss
+                loss.backward()
+                return loss.item(), [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+
+            eager_loss, eager_grads = step(model)
+            torch._dynamo.reset()
+            compiled_loss, compiled_grads = step(torch.compile(model))
+            graphs = {"runs": 0}
+
+            def counting(graph_module, example_inputs):
+                def run(*args):
+                    graphs["runs"] += 1
+                    return graph_module.forward(*args)
+                return run
+
+            torch._dynamo.reset()
+            counted = torch.compile(model, backend=counting)
+            with torch.no_grad():
+                counted(**batch, use_cache=False)
+                graphs["runs"] = 0
+                counted(**batch, use_cache=False)
+            torch._dynamo.reset()
+            diff = max((a - b).abs().max().item() for a, b in zip(compiled_grads, eager_grads))
+            scale = max(g.abs().max().item() for g in eager_grads)
+            ok = abs(compiled_loss - eager_loss) < 2e-2 and diff <= 5e-2 * max(scale, 1e-3) and graphs["runs"] <= 2
+            rows.append(row | {"status": "ok" if ok else "MISMATCH", "max_diff": diff,
+                               "loss_diff": abs(compiled_loss - eager_loss), "graphs_per_forward": graphs["runs"]})
+        except Exception as error:  # noqa: BLE001 - report and go on
+            rows.append(row | {"status": f"error: {error!r}"[:200]})
+    return rows
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    for check in (attention_rows, op_rows, model_row):
+    for check in (attention_rows, op_rows, model_row, compiled_rows):
         try:
             result = check()
             rows.extend(result if isinstance(result, list) else [result])
