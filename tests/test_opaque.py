@@ -68,11 +68,17 @@ def _selective_scan() -> tuple[tuple, dict]:
         delta_softplus=True, rows=(B, T))
 
 
-def _attention() -> tuple[tuple, dict]:
-    q = _randn(B, 4, T, 8, seed=0, transpose=(1, 2))
-    k, v = _randn(B, 2, T, 8, seed=1, transpose=(1, 2)), _randn(B, 2, T, 8, seed=2)
-    return (q, k, v, _randn(4, seed=3)), dict(scale=0.3, causal=True, window=3, softcap=2.0, training=True,
-                                              backend=None, rows=(B, T))
+def _attention(dropout: float) -> Callable[[], tuple[tuple, dict]]:
+    def build() -> tuple[tuple, dict]:
+        q = _randn(B, 4, T, 8, seed=0, transpose=(1, 2))
+        k, v = _randn(B, 2, T, 8, seed=1, transpose=(1, 2)), _randn(B, 2, T, 8, seed=2)
+        if dropout:  # SDPA takes no sinks or softcap together with dropout on the portable path's blocks
+            return (q, k, v, None, torch.tensor(1234)), dict(scale=0.3, causal=True, window=None, softcap=None,
+                                                             dropout=dropout, training=True, backend=None, rows=(B, T))
+        return (q, k, v, _randn(4, seed=3), None), dict(scale=0.3, causal=True, window=3, softcap=2.0, dropout=0.0,
+                                                        training=True, backend=None, rows=(B, T))
+
+    return build
 
 
 CASES = {
@@ -81,23 +87,33 @@ CASES = {
     "packfree.chunk_kda": _delta_rule(key_decay=True),
     "packfree.ssd_chunk_scan": _ssd,
     "packfree.selective_scan": _selective_scan,
-    "packfree.packed_attention": _attention,
+    "packfree.packed_attention": _attention(dropout=0.0),
+    "packfree.packed_attention with dropout": _attention(dropout=0.3),
 }
 
 
+def _registered(case: str) -> str:
+    return case.split(" with ")[0]
+
+
 def test_every_registered_function_has_a_case() -> None:
-    assert set(CASES) == set(opaque._FUNCTIONS)
+    assert {_registered(case) for case in CASES} == set(opaque._FUNCTIONS)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_op_forward_and_recomputed_backward_match_the_direct_call(name: str) -> None:
-    tensors, options = CASES[name]()
-    tensors = tuple(t.requires_grad_() if t is not None else None for t in tensors)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_op_forward_and_recomputed_backward_match_the_direct_call(case: str) -> None:
+    """With dropout, the seed input makes the op's forward, its recomputing backward and the direct call
+    (seeded the same way) drop the same weights."""
+    name = _registered(case)
+    tensors, options = CASES[case]()
+    wrt = [t.requires_grad_() for t in tensors if t is not None and t.is_floating_point()]
     boundaries = _boundaries()
     direct_options = {k: v for k, v in options.items() if k != "rows"}
     direct = opaque._FUNCTIONS[name].run(boundaries, *tensors, **direct_options)
+    if direct_options.get("dropout"):
+        undropped = opaque._FUNCTIONS[name].run(boundaries, *tensors, **{**direct_options, "dropout": 0.0})
+        assert (direct - undropped).abs().max() > 1e-3, "dropout had no effect"
     weights = torch.randn(direct.shape, generator=torch.Generator().manual_seed(9), dtype=F64)
-    wrt = [t for t in tensors if t is not None]
     expected_grads = torch.autograd.grad((direct * weights).sum(), wrt)
 
     arguments = opaque.op_arguments(name, boundaries, *tensors, **options)

@@ -70,8 +70,9 @@ def run_packed_attention(
 ) -> torch.Tensor:
     """Packed self-attention: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``.
 
-    While compiling (and unless dropout is on) the call runs inside packfree's opaque custom op, where the
-    backend reads the boundaries on the host without breaking the graph or recompiling per packing.
+    While compiling, the call runs inside packfree's opaque custom op, where the backend reads the boundaries
+    on the host without breaking the graph or recompiling per packing. With dropout, the graph draws a seed
+    that the op's forward and its backward's recomputation both use, so they drop the same weights.
     """
     batch, _, seq_len, _ = query.shape
     if not boundaries.describes(batch, seq_len) or key.shape[2] != seq_len:
@@ -80,10 +81,12 @@ def run_packed_attention(
             f"queries [B={batch}, T={seq_len}] and keys of length {key.shape[2]} (cross-attention or a cache "
             "cannot be combined with a packed batch)"
         )
-    if torch.compiler.is_compiling() and not (training and options.dropout > 0):
-        return opaque.call("packfree.packed_attention", boundaries, query, key, value, options.sinks,
+    if torch.compiler.is_compiling():
+        dropout = options.dropout if training else 0.0
+        seed = torch.randint(2**62, (), dtype=torch.int64) if dropout > 0 else None
+        return opaque.call("packfree.packed_attention", boundaries, query, key, value, options.sinks, seed,
                            scale=options.scale, causal=options.causal, window=options.window, softcap=options.softcap,
-                           training=training, backend=backend, rows=(batch, seq_len))
+                           dropout=dropout, training=training, backend=backend, rows=(batch, seq_len))
     return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
 
 
@@ -94,11 +97,18 @@ def _attention_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @boundary_function("packfree.packed_attention", output=_attention_output)
 def _packed_attention_function(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               sinks: torch.Tensor | None, *, scale: float, causal: bool, window: int | None,
-                               softcap: float | None, training: bool, backend: str | None) -> torch.Tensor:
-    """:func:`run_packed_attention` without dropout, as compiled graphs call it through the opaque op."""
-    options = AttentionOptions(scale, causal, window, softcap, sinks)
-    return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
+                               sinks: torch.Tensor | None, seed: torch.Tensor | None, *, scale: float, causal: bool,
+                               window: int | None, softcap: float | None, dropout: float, training: bool,
+                               backend: str | None) -> torch.Tensor:
+    """:func:`run_packed_attention` as compiled graphs call it through the opaque op. ``seed``: ``[]`` int64
+    on the CPU when ``dropout > 0``: the random state the dropout is drawn from (None without dropout)."""
+    options = AttentionOptions(scale, causal, window, softcap, sinks, dropout)
+    if seed is None:
+        return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
+    on_cuda = query.device.type == "cuda"
+    with torch.random.fork_rng(devices=[query.device.index or 0] if on_cuda else [], device_type="cuda"):
+        torch.manual_seed(int(seed))
+        return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
 
 
 def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: Boundaries,

@@ -154,3 +154,30 @@ def test_generic_tier_runs_eagerly_inside_compiled_models() -> None:
                 first = backend.compiled
     torch._dynamo.reset()
     assert backend.compiled == first, f"rwkv recompiled {backend.compiled - first} times for new packings"
+
+
+def test_attention_dropout_runs_in_the_graph_without_recompiles() -> None:
+    """Training with attention dropout: the opaque op draws its dropout from a seed in the graph, so new
+    packings recompile nothing after the warm-up, and the dropout is really applied (the loss moves)."""
+    model = _model(tiny_config("llama", attention_dropout=0.3)).train()
+    backend = CountingBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+
+    def loss(module, lengths: tuple[int, ...]) -> torch.Tensor:
+        batch = _row(lengths)
+        return module(**batch, labels=batch["input_ids"], use_cache=False).loss
+
+    for lengths in ((5, 9, 3), (8, 9), (6, 10, 4)):
+        loss(compiled, lengths).backward()
+    warm = backend.compiled
+    losses = [loss(compiled, (1, 2, 3, 4, 7)) for _ in range(2)]
+    for lengths in ((16, 1), (11, 12), (2, 3, 4, 5, 6, 7)):
+        loss(compiled, lengths).backward()
+    recompiles = backend.compiled - warm
+    with torch.no_grad():
+        undropped = loss(model.eval(), (1, 2, 3, 4, 7))
+    torch._dynamo.reset()
+    assert recompiles == 0, f"{recompiles} recompiles for new packings with attention dropout"
+    assert all(torch.isfinite(value) for value in losses)
+    assert float((losses[0] - losses[1]).abs()) > 1e-4 and float((losses[0] - undropped).abs()) > 1e-4
