@@ -33,8 +33,16 @@ class ThreadStack(Generic[T]):
         items = self._local.items
         return items[-1] if items else None
 
+    def below_top(self) -> T | None:
+        """The entry under the top (None when there is none)."""
+        items = self._local.items
+        return items[-2] if len(items) > 1 else None
+
     def push(self, value: T | None) -> None:
         self._local.items.append(value)
+
+    def replace_top(self, value: T | None) -> None:
+        self._local.items[-1] = value
 
     def pop(self) -> None:
         self._local.items.pop()

@@ -8,7 +8,8 @@ saves with the layer's inputs), and through :data:`~packfree_plugin.active.activ
 mask function turns into the ``attention_mask`` every attention layer receives. Nested models reuse the
 outer model's object. In models with sequence mixers, a hook on each decoder layer pushes the boundaries
 it was called with, for mixers that do not receive the layer's ``**kwargs``; that hook is traced by
-``torch.compile`` (no graph break per layer), the model hook is not (one break per forward).
+``torch.compile`` (no graph break per layer); the model hook reads the batch outside the graph, where the
+outermost model's hook runs anyway, so a compiled ``...ForCausalLM`` forward is one graph.
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
 filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
@@ -33,7 +34,6 @@ from ..boundaries import Boundaries
 __all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
-_PENDING_ATTR = "_packfree_pending_pops"
 _PUBLISHES_ATTR = "_packfree_publishes_boundaries"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
@@ -105,33 +105,41 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
     return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
 
 
-@torch.compiler.disable  # host-side reading of the batch: one graph break per forward, no guards on its values
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    signature, var_keyword = _forward_parameters(type(module))
-    takes_kwargs = var_keyword is not None
+    """Push this forward's boundaries. A model called by packfree-prepared parent with its ``**kwargs`` (a
+    ``...ForCausalLM``'s inner model) finds them there: traced by torch.compile, no graph break."""
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is None:
-        bound = signature.bind_partial(module, *args, **kwargs).arguments
-        arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
-        outer = active_boundaries.top()
-        # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
-        boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
-        if boundaries is not None:
-            given_positionally = "use_cache" in bound and "use_cache" not in kwargs
-            if boundaries.is_packed and not given_positionally and ("use_cache" in signature.parameters or takes_kwargs):
-                kwargs["use_cache"] = False
-            if takes_kwargs:
-                kwargs["packfree_boundaries"] = boundaries
+        return _read_batch(module, args, kwargs)
     active_boundaries.push(boundaries)
-    module.__dict__[_PENDING_ATTR] = module.__dict__.get(_PENDING_ATTR, 0) + 1
     return args, kwargs
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
+def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Build the boundaries from the call's inputs and push them (pushes first: the post-hook pops even when
+    the inputs are refused)."""
+    active_boundaries.push(None)
+    signature, var_keyword = _forward_parameters(type(module))
+    takes_kwargs = var_keyword is not None
+    bound = signature.bind_partial(module, *args, **kwargs).arguments
+    arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
+    outer = active_boundaries.below_top()
+    # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
+    boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
+    if boundaries is not None:
+        given_positionally = "use_cache" in bound and "use_cache" not in kwargs
+        if boundaries.is_packed and not given_positionally and ("use_cache" in signature.parameters or takes_kwargs):
+            kwargs["use_cache"] = False
+        if takes_kwargs:
+            kwargs["packfree_boundaries"] = boundaries
+    active_boundaries.replace_top(boundaries)
+    return args, kwargs
+
+
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if module.__dict__.get(_PENDING_ATTR, 0) > 0:  # not when the pre-hook raised before pushing
-        module.__dict__[_PENDING_ATTR] -= 1
-        active_boundaries.pop()
+    """Pop what the model or decoder-layer pre-hook pushed (runs even when the forward raised)."""
+    active_boundaries.pop()
 
 
 def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -143,10 +151,6 @@ def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     if checkpoint is not None and not hasattr(checkpoint, _PUBLISHES_ATTR):
         _wrap_checkpoint(module)
-
-
-def _layer_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    active_boundaries.pop()
 
 
 @torch.compiler.disable  # once per layer, when gradient checkpointing is first seen
@@ -186,7 +190,7 @@ def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
         if isinstance(module, PreTrainedModel):
             pre_hook, post_hook = _pre_hook, _post_hook
         elif layer_hooks and isinstance(module, GradientCheckpointingLayer):
-            pre_hook, post_hook = _layer_pre_hook, _layer_post_hook
+            pre_hook, post_hook = _layer_pre_hook, _post_hook
         else:
             continue
         handles = (
