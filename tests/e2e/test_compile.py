@@ -11,12 +11,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import packfree_plugin
 from packfree_plugin.tiny import tiny_config
 from packfree_plugin.verify import packed_row
 from tests.conftest import assert_close
+from tests.e2e.conftest import fresh_pair, samples_of
+from tests.models.test_hybrids import tolerance
 from packfree_plugin.catalogue import catalogue_config
 
 NATIVE_FAMILIES = ["llama", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "lfm2"]
@@ -184,3 +188,30 @@ def test_attention_dropout_runs_in_the_graph_without_recompiles() -> None:
     assert recompiles == 0, f"{recompiles} recompiles for new packings with attention dropout"
     assert all(torch.isfinite(value) for value in losses)
     assert float((losses[0] - losses[1]).abs()) > 1e-4 and float((losses[0] - undropped).abs()) > 1e-4
+
+
+_COMPILED: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+
+def _compiled_pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A compiled packfree model (Dynamo only) and its stock twin, float64, built once per model type."""
+    if model_type not in _COMPILED:
+        model, stock = fresh_pair(model_type)
+        _COMPILED[model_type] = (torch.compile(model, backend="eager"), stock)
+    return _COMPILED[model_type]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2"])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6))
+def test_compiled_packed_row_equals_each_sample_alone(model_type: str, lengths: list[int]) -> None:
+    """Property: whatever the packing, the compiled packed forward gives each sample the logits stock
+    transformers gives it alone (float64; stock runs its GDN / SSD torch paths in float32 inside, hence
+    the tolerance of tests/models/test_hybrids.py). One compiled model serves every drawn packing."""
+    compiled, stock = _compiled_pair(model_type)
+    samples = [torch.tensor(sample) for sample in samples_of(lengths)]
+    with torch.no_grad():
+        packed = compiled(**packed_row(samples), use_cache=False).logits[0]
+        for index, (piece, sample) in enumerate(zip(packed.split(lengths), samples)):
+            alone = stock(input_ids=sample[None], use_cache=False).logits[0]
+            assert_close(piece, alone, atol=tolerance(model_type), rtol=0,
+                         what=f"{model_type} sample {index} of {lengths}")
