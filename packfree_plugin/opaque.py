@@ -23,7 +23,7 @@ import torch
 
 from .boundaries import Boundaries
 
-__all__ = ["autograd_inside_custom_op", "boundary_function", "call", "op_arguments"]
+__all__ = ["boundary_function", "call", "op_arguments"]
 
 BoundaryFunction = Callable[..., torch.Tensor]
 """``(boundaries, *tensors, **options) -> Tensor``; ``tensors`` may hold None."""
@@ -133,7 +133,7 @@ def _boundary_op_backward(name: str, tensors: list[torch.Tensor], host_offsets: 
     leaves = [t.detach().requires_grad_() if _differentiable(t) else t for t in inputs]
     wrt = [t for t in leaves if _differentiable(t)]
     boundaries = _boundaries(host_offsets, host_padding, batch_size, seq_len, tensors[0].device)
-    with torch.enable_grad(), autograd_inside_custom_op():
+    with torch.enable_grad(), _autograd_inside_custom_op():
         out = _FUNCTIONS[name].run(boundaries, *leaves, **options)
         grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True) if wrt else ())
     result = []
@@ -170,7 +170,7 @@ def _backward(ctx, grad: torch.Tensor):
 _boundary_op.register_autograd(_backward, setup_context=_save)
 
 
-def autograd_inside_custom_op() -> torch._C._ForceDispatchKeyGuard:
+def _autograd_inside_custom_op() -> torch._C._ForceDispatchKeyGuard:
     """Custom ops run with autograd dispatch keys excluded; a recomputing backward needs them back
     (autocast stays excluded, as it was for the forward)."""
     excluded = torch._C._dispatch_tls_local_exclude_set()

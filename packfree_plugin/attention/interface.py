@@ -81,6 +81,7 @@ def run_packed_attention(
             f"queries [B={batch}, T={seq_len}] and keys of length {key.shape[2]} (cross-attention or a cache "
             "cannot be combined with a packed batch)"
         )
+    query, key, value = _autocast(query, key, value)
     if torch.compiler.is_compiling():
         dropout = options.dropout if training else 0.0
         seed = torch.randint(2**62, (), dtype=torch.int64) if dropout > 0 else None
@@ -88,6 +89,17 @@ def run_packed_attention(
                            scale=options.scale, causal=options.causal, window=options.window, softcap=options.softcap,
                            dropout=dropout, training=training, backend=backend, rows=(batch, seq_len))
     return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the autocast dtype for all of q/k/v, as SDPA's autocast policy does: RoPE leaves q and k
+    in float32 next to a bfloat16 v, which neither the varlen kernels nor the custom op (inside which autocast
+    is off) would cast."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _attention_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
