@@ -62,6 +62,25 @@ def _row(lengths: tuple[int, ...], seed: int = 0, *, flash_kwargs: bool = False)
     return packed_row(samples)
 
 
+def eager_then_compiled(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, autocast: bool = False):
+    """``((loss, gradients), (loss, gradients))`` of one packed training step, eager then compiled with AOT
+    autograd (so the backward of packfree's custom op runs); ``autocast``: inside bf16 autocast."""
+
+    def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = module(**batch, labels=batch["input_ids"], use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager = step(model)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    assert len(compiled[1]) == len(eager[1]) > 0
+    return eager, compiled
+
+
 def graphs_per_forward(model_type: str, layers: int) -> int:
     """Graph executions in one compiled forward of a packed row (compiled logits checked against eager)."""
     # Kimi Linear's mixture-of-experts layers loop over the experts hit (a break per layer that is not
@@ -119,30 +138,15 @@ def test_new_packings_do_not_recompile(model_type: str, flash_kwargs: bool) -> N
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "falcon_mamba", "kimi_linear"])
 def test_compiled_training_step_matches_eager(model_type: str) -> None:
-    """Loss and every parameter gradient of a compiled packed step (AOT autograd, so the backward of
-    packfree's custom op runs) equal eager's, in float64."""
-    config = tiny_config(model_type)
-    model = _model(config, torch.float64).train()
-    batch = _row((5, 9, 3), seed=1)
-    labels = batch["input_ids"].clone()
-
-    def step(module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        loss = module(**batch, labels=labels, use_cache=False).loss
-        loss.backward()
-        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-    eager_loss, eager_grads = step(model)
-    torch._dynamo.reset()
-    compiled_loss, compiled_grads = step(torch.compile(model, backend="aot_eager"))
-    torch._dynamo.reset()
+    """Loss and every parameter gradient of a compiled packed step equal eager's, in float64."""
+    model = _model(tiny_config(model_type), torch.float64).train()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = eager_then_compiled(model, _row((5, 9, 3), seed=1))
     # Stock Mamba1 runs parts of its layer in float32 even in a float64 model; compiled and eager round there
     # differently (1.9e-8 measured). Everything else stays float64.
     atol = 1e-7 if model_type == "falcon_mamba" else 1e-10
     assert_close(compiled_loss, eager_loss, atol=atol, rtol=0, what=f"{model_type} compiled loss")
-    assert compiled_grads.keys() == eager_grads.keys()
-    for name, grad in eager_grads.items():
-        assert_close(compiled_grads[name], grad, atol=atol, rtol=0, what=f"{model_type} compiled grad {name}")
+    for index, (grad, expected) in enumerate(zip(compiled_grads, eager_grads)):
+        assert_close(grad, expected, atol=atol, rtol=0, what=f"{model_type} compiled gradient {index}")
 
 
 def test_generic_tier_runs_eagerly_inside_compiled_models() -> None:
@@ -224,20 +228,8 @@ def test_compiled_checkpointed_step_matches_eager(model_type: str, reentrant: bo
     boundaries (FalconMamba's layers get them only through the checkpoint wrapper)."""
     model = _model(tiny_config(model_type), torch.float64).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    batch = _row((5, 9, 3), seed=2)
-
-    def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        loss = module(**batch, labels=batch["input_ids"], use_cache=False).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    eager_loss, eager_grads = step(model)
-    torch._dynamo.reset()
-    compiled_loss, compiled_grads = step(torch.compile(model, backend="aot_eager"))
-    torch._dynamo.reset()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = eager_then_compiled(model, _row((5, 9, 3), seed=2))
     assert_close(compiled_loss, eager_loss, atol=1e-7, rtol=0, what="loss")
-    assert len(compiled_grads) == len(eager_grads) > 0
     for index, (grad, expected) in enumerate(zip(compiled_grads, eager_grads)):
         assert_close(grad, expected, atol=1e-7, rtol=0, what=f"{model_type} gradient {index}")
 
@@ -248,21 +240,9 @@ def test_compiled_step_under_bf16_autocast_matches_eager(model_type: str) -> Non
     custom op runs with autocast off, so packed attention casts q/k/v itself (it crashed before). Compiled
     and eager agree to bf16 precision: loss within 1e-3, every gradient within 2% of the largest."""
     model = _model(tiny_config(model_type)).train()
-    batch = _row((5, 9, 3))
-
-    def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = module(**batch, labels=batch["input_ids"], use_cache=False).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    eager_loss, eager_grads = step(model)
-    torch._dynamo.reset()
-    compiled_loss, compiled_grads = step(torch.compile(model, backend="aot_eager"))
-    torch._dynamo.reset()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = eager_then_compiled(
+        model, _row((5, 9, 3)), autocast=True)
     largest = max(float(g.abs().max()) for g in eager_grads)
     assert abs(float(compiled_loss - eager_loss)) <= 1e-3
-    assert len(compiled_grads) == len(eager_grads) > 0
     for index, (grad, expected) in enumerate(zip(compiled_grads, eager_grads)):
         assert_close(grad, expected, atol=0.02 * largest, rtol=0, what=f"{model_type} gradient {index}")
