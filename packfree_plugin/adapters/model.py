@@ -106,7 +106,7 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Push this forward's boundaries. A model called by packfree-prepared parent with its ``**kwargs`` (a
+    """Push this forward's boundaries. A model that a packfree-prepared parent calls with its ``**kwargs`` (a
     ``...ForCausalLM``'s inner model) finds them there: traced by torch.compile, no graph break."""
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is None:

@@ -8,9 +8,10 @@ untouched. A layer that looks like a sequence mixer but has no adapter is refuse
 
 Where does a layer get its boundaries? From the ``packfree_boundaries`` keyword when its decoder layer
 passes its ``**kwargs`` on (most transformers 5 models do), else from
-:data:`packfree_plugin.active.active_boundaries`, pushed by the model hook for the whole forward and by the
-decoder-layer hook around each layer (which also covers the recomputation of gradient checkpointing). Native adapters read ``boundaries.seq_idx`` /
-``boundaries.cu_seqlens`` from it; the generic tier reads the host offsets.
+:data:`packfree_plugin.active.active_boundaries`, pushed by the model hook for the whole forward and by
+the decoder-layer hook around each layer (which also covers the recomputation of gradient
+checkpointing). Native adapters hand them to packfree's ops (:mod:`.routes`); the generic tier reads the
+host offsets.
 """
 
 from __future__ import annotations
