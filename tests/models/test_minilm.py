@@ -8,7 +8,7 @@ from transformers import AutoModel, AutoTokenizer
 
 import packfree_plugin
 from packfree_plugin.data import load_gsm8k
-from tests.conftest import assert_close
+from tests.conftest import CountingBackend, assert_close
 
 N_SAMPLES = 6
 
@@ -75,3 +75,25 @@ def test_padded_batch_matches_stock(encoders, texts) -> None:
         theirs = stock(**batch).last_hidden_state
     keep = batch["attention_mask"].bool()
     assert_close(mine[keep], theirs[keep], atol=2e-5, rtol=1e-4, what="padded batch")
+
+
+def test_compiled_encoder_keeps_texts_apart_across_packings(encoders, texts) -> None:
+    """torch.compile on the real encoder: every packing of the GSM8K questions gives each text the embeddings
+    stock gives it alone, in one graph per forward, with no recompile once the row length is dynamic."""
+    tokenizer, packed_model, stock = encoders
+    backend = CountingBackend()
+    torch._dynamo.reset()
+    compiled = torch.compile(packed_model, backend=backend)
+    compilations = []
+    with torch.no_grad():
+        for group in (texts[:3], texts[3:], texts[1:5], texts[::2], texts):
+            encoded, lengths, input_ids, positions = _pack(tokenizer, group)
+            backend.runs = 0
+            hidden = compiled(input_ids=input_ids, position_ids=positions).last_hidden_state[0]
+            assert backend.runs == 1, f"{backend.runs} graphs in one forward"
+            for index, (piece, ids) in enumerate(zip(hidden.split(lengths), encoded)):
+                alone = stock(input_ids=ids[None]).last_hidden_state[0]
+                assert_close(piece, alone, atol=2e-5, rtol=1e-4, what=f"compiled, text {index} of {len(group)}")
+            compilations.append(backend.compiled)
+    torch._dynamo.reset()
+    assert compilations[-1] == compilations[2], f"compilations after each packing: {compilations}"
