@@ -106,13 +106,28 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Push this forward's boundaries. A model that a packfree-prepared parent calls with its ``**kwargs`` (a
-    ``...ForCausalLM``'s inner model) finds them there: traced by torch.compile, no graph break."""
+    """Push this forward's boundaries. An inner model (a ``...ForCausalLM``'s backbone) takes its parent's
+    without reading the batch, traced by torch.compile: from the ``**kwargs`` its parent passed on, or,
+    when the parent passes ``use_cache=False`` and the same tokens but no kwargs (Mamba's heads), from the
+    stack. Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is None:
-        return _read_batch(module, args, kwargs)
+        boundaries = _parent_boundaries(args, kwargs)
+        if boundaries is None:
+            return _read_batch(module, args, kwargs)
     active_boundaries.push(boundaries)
     return args, kwargs
+
+
+def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
+    """The enclosing model's boundaries when this call is for the same tokens with the cache off, else None."""
+    parent = active_boundaries.top()
+    if parent is None or kwargs.get("use_cache") is not False:
+        return None
+    tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if t is not None), None)
+    if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and parent.describes(*tokens.shape[:2]):
+        return parent
+    return None
 
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
