@@ -8,8 +8,9 @@ saves with the layer's inputs), and through :data:`~packfree_plugin.active.activ
 mask function turns into the ``attention_mask`` every attention layer receives. Nested models reuse the
 outer model's object. In models with sequence mixers, a hook on each decoder layer pushes the boundaries
 it was called with, for mixers that do not receive the layer's ``**kwargs``; that hook is traced by
-``torch.compile`` (no graph break per layer); the model hook reads the batch outside the graph, where the
-outermost model's hook runs anyway, so a compiled ``...ForCausalLM`` forward is one graph.
+``torch.compile`` (no graph break per layer). Only the outermost model's hook reads the batch, a graph
+break at the very start of the forward, so a compiled ``...ForCausalLM`` forward runs one graph (and
+``fullgraph=True`` is refused).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
 filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
