@@ -9,8 +9,8 @@ mask function turns into the ``attention_mask`` every attention layer receives. 
 outer model's object. In models with sequence mixers, a hook on each decoder layer pushes the boundaries
 it was called with, for mixers that do not receive the layer's ``**kwargs``; that hook is traced by
 ``torch.compile`` (no graph break per layer). Only the outermost model's hook reads the batch, a graph
-break at the very start of the forward, so a compiled ``...ForCausalLM`` forward runs one graph (and
-``fullgraph=True`` is refused).
+break at the very start of the forward, so a compiled ``...ForCausalLM`` forward runs one graph; a caller
+who passes ``packfree_boundaries`` built ahead gets no break at all (``fullgraph=True``).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
 filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
@@ -107,17 +107,38 @@ def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Push this forward's boundaries. An inner model (a ``...ForCausalLM``'s backbone) takes its parent's
-    without reading the batch, traced by torch.compile: from the ``**kwargs`` its parent passed on, or,
-    when the parent passes ``use_cache=False`` and the same tokens but no kwargs (Mamba's heads), from the
-    stack. Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
+    """Push this forward's boundaries. Traced by torch.compile, without reading the batch: boundaries passed
+    as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
+    or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
+    (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
     boundaries = kwargs.get("packfree_boundaries")
+    if boundaries is not None:
+        active_boundaries.push(boundaries)  # first: the post-hook pops even when the check raises
+        _check_given(boundaries, _call_tokens(args, kwargs))
+        return args, kwargs
+    boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
-        boundaries = _parent_boundaries(args, kwargs)
-        if boundaries is None:
-            return _read_batch(module, args, kwargs)
+        return _read_batch(module, args, kwargs)
     active_boundaries.push(boundaries)
     return args, kwargs
+
+
+def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The call's ``input_ids``, else ``inputs_embeds``, else its first positional argument, if ``[B, T, ...]``."""
+    tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if t is not None), None)
+    return tokens if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 else None
+
+
+def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:
+    """``packfree_boundaries`` passed to a model (by its parent, or by a caller who built them ahead, e.g. for
+    ``torch.compile(fullgraph=True)``) must be a :class:`Boundaries` for the call's tokens."""
+    if not isinstance(boundaries, Boundaries):
+        raise ValueError(f"packfree_boundaries must be a packfree_plugin.Boundaries, got {type(boundaries).__name__}")
+    if tokens is not None and not boundaries.describes(*tokens.shape[:2]):
+        raise ValueError(
+            f"packfree_boundaries describe [B={boundaries.batch_size}, T={boundaries.seq_len}] but the call's tokens "
+            f"are {list(tokens.shape[:2])}"
+        )
 
 
 def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
@@ -125,10 +146,8 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
     parent = active_boundaries.top()
     if parent is None or kwargs.get("use_cache") is not False:
         return None
-    tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if t is not None), None)
-    if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and parent.describes(*tokens.shape[:2]):
-        return parent
-    return None
+    tokens = _call_tokens(args, kwargs)
+    return parent if tokens is not None and parent.describes(*tokens.shape[:2]) else None
 
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
