@@ -12,6 +12,7 @@ SUITES = {
     "linear-attention / recurrences": "benchmarks.ops_linear",
     "conv / SSD / selective scan": "benchmarks.ops_scan_conv",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
+    "compiled training step (inductor)": "benchmarks.compiled",
 }
 
 
