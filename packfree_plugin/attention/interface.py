@@ -23,9 +23,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import opaque
-from ..opaque import boundary_function
 from ..active import active_boundaries
 from ..boundaries import Boundaries
+from ..opaque import boundary_function
 from .reference import AttentionOptions, eager_attention
 from .segments import segment_attention
 from .varlen import VARLEN_BACKENDS, on_accelerator
