@@ -58,7 +58,7 @@ def build_model(implementation: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).train()
 
 
-def _median_seconds(step, repeats: int) -> float:
+def median_seconds(step, repeats: int) -> float:
     """Median wall time of ``step()`` over ``repeats`` runs, after one warm-up run."""
     step()
     times = []
@@ -94,7 +94,7 @@ def run_case(method: str, tokens: int, repeats: int) -> dict:
         else:
             model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
 
-    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": _median_seconds(step, repeats),
+    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": median_seconds(step, repeats),
             "peak_extra_mib": _rss_mib() - baseline}
 
 
@@ -133,7 +133,7 @@ def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
             ], dim=1)
         out.square().mean().backward()
 
-    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": _median_seconds(step, repeats),
+    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": median_seconds(step, repeats),
             "peak_extra_mib": _rss_mib() - baseline}
 
 

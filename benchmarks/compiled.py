@@ -8,19 +8,10 @@ op recomputing each boundary-aware forward in backward; this shows what is left 
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
-
-def _step_seconds(step, repeats: int) -> float:
-    step()  # warm-up (for the compiled model: after compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from benchmarks.attention import median_seconds
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -47,13 +38,13 @@ def run(quick: bool = False) -> list[dict]:
             module(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
 
         repeats = 3 if quick else 7
-        eager = _step_seconds(lambda: step(model), repeats)
+        eager = median_seconds(lambda: step(model), repeats)
         torch._dynamo.reset()
         compiled = torch.compile(model)
         start = time.perf_counter()
         step(compiled)
         compile_seconds = time.perf_counter() - start
-        inductor = _step_seconds(lambda: step(compiled), repeats)
+        inductor = median_seconds(lambda: step(compiled), repeats)
         torch._dynamo.reset()
     finally:
         torch.set_num_threads(threads)

@@ -125,7 +125,9 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The call's ``input_ids``, else ``inputs_embeds``, else its first positional argument, if ``[B, T, ...]``."""
-    tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if t is not None), None)
+    tokens = _tokens(kwargs)
+    if tokens is None and args:
+        tokens = args[0]
     return tokens if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 else None
 
 
