@@ -36,7 +36,7 @@ def samples_of(lengths: list[int], *, seed: int = 0, vocab: int = 128) -> list[l
 
 def padded_batch(samples: list[list[int]]) -> dict[str, torch.Tensor]:
     """Right-padded stock batch; labels -100 on padding and on each sample's first token (never predicted)."""
-    from packfree_plugin.demo import PaddedCollator
+    from packfree_plugin.tools.demo import PaddedCollator
 
     return PaddedCollator()([{"input_ids": s} for s in samples])
 

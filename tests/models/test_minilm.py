@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 import packfree_plugin
-from packfree_plugin.data import load_gsm8k
+from packfree_plugin.tools.data import load_gsm8k
 from tests.conftest import CountingBackend, assert_close
 
 N_SAMPLES = 6

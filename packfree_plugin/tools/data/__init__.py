@@ -56,7 +56,7 @@ def load_gsm8k(path: str | Path | None = None, limit: int | None = None) -> list
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     if path is None:
         with _open_embedded() as stream:
-            return _parse(stream, f"packfree_plugin/data/{GSM8K_RESOURCE}", limit)
+            return _parse(stream, f"packfree_plugin/tools/data/{GSM8K_RESOURCE}", limit)
     path = Path(path)
     with path.open("r", encoding="utf-8") as stream:
         return _parse(stream, str(path), limit)

@@ -65,7 +65,7 @@ def _is_attention(module: nn.Module) -> bool:
 
 
 def _attention_backend(module: nn.Module, config, device: torch.device, dtype: torch.dtype) -> str:
-    from .attention import AttentionOptions, choose_backend
+    from ..attention import AttentionOptions, choose_backend
 
     heads = getattr(config, "num_attention_heads", 1) or 1
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or 64
@@ -85,9 +85,9 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from .adapters import families  # noqa: F401  (fills REGISTRY)
-    from .adapters.registry import REGISTRY, _looks_like_a_mixer
-    from .tiny import auto_class, load_config
+    from ..adapters import families  # noqa: F401  (fills REGISTRY)
+    from ..adapters.registry import REGISTRY, _looks_like_a_mixer
+    from ..tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run_dtype = dtype or (torch.bfloat16 if run_device.type == "cuda" else torch.float32)

@@ -44,7 +44,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from ..verify import verify
 
     lengths = [int(n) for n in args.lengths.split(",")]
     mine, stock = verify(args.model, lengths=lengths, reference="" if args.no_reference else args.reference)
