@@ -5,7 +5,7 @@ contiguous *segments* that never cross a row. A segment is either a sample or a 
 whose ``attention_mask`` is 0); padding spans are kept as segments of their own, so every token belongs
 to exactly one segment and no sample ever sees a padding token or another sample.
 
-``Boundaries`` is built once per forward (by the model hook in :mod:`packfree_plugin.adapters.model`)
+``Boundaries`` is built once per forward (by the per-forward context, :mod:`packfree_plugin.context`)
 from whichever the batch carries, in this order:
 
 1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``), as sent by

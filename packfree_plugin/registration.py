@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import packfree_attention_forward, packfree_attention_mask
@@ -28,7 +29,7 @@ def _uses_packfree(model: PreTrainedModel) -> bool:
 
 def is_registered() -> bool:
     """Whether ``"packfree"`` is currently registered with transformers."""
-    return AttentionInterface._global_mapping.get(ATTN_IMPLEMENTATION) is packfree_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION) is packfree_attention_forward
 
 
 def register() -> None:
@@ -58,6 +59,7 @@ def unregister() -> None:
     from .adapters.routes import uninstall_routes
 
     uninstall_routes()
+    # transformers has no public way to remove a registration: these two dicts are the registries themselves
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     original = PreTrainedModel.__dict__.get(_ORIGINAL_POST_INIT)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from .model import apply_model_hook, boundaries_for_call, remove_model_hook
+from ..context import apply_model_hook
 from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
 __all__ = [
     "MixerAdapter",
     "apply",
-    "apply_model_hook",
-    "boundaries_for_call",
     "check_coverage",
     "register_adapter",
-    "remove_model_hook",
     "wrap_mixers",
 ]
 
@@ -25,11 +22,13 @@ def apply(model: nn.Module) -> nn.Module:
     Switches a model loaded with another attention implementation to ``"packfree"``, hooks every
     ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence
     mixer (GDN, Mamba, conv, ...) its boundary adapter. Raises ``ValueError`` naming any layer that looks
-    like a sequence mixer but has no adapter. Called automatically for models loaded with
-    ``attn_implementation="packfree"``.
+    like a sequence mixer but has no adapter, and names the supported range on a transformers release packfree
+    was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
     """
+    from ..compat import check_transformers_version
     from ..registration import ATTN_IMPLEMENTATION, register
 
+    check_transformers_version()
     register()
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)

@@ -6,20 +6,19 @@ that, while a packed batch is in flight, runs the adapter; otherwise the layer's
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
 
-Where does a layer get its boundaries? From the ``packfree_boundaries`` keyword when its decoder layer
-passes its ``**kwargs`` on (most transformers 5 models do), else from
-:data:`packfree_plugin.active.active_boundaries`, pushed by the model hook for the whole forward and by
-the decoder-layer hook around each layer (which also covers the recomputation of gradient
-checkpointing). Native adapters hand them to packfree's ops (:mod:`.routes`); the generic tier reads the
-host offsets.
+Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_for`: the
+``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
+models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
+(and around the recomputation of gradient checkpointing). Native adapters hand them to packfree's ops
+(:mod:`.routes`); the generic tier reads the host offsets.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import re
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,15 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..active import active_boundaries
 from ..boundaries import Boundaries
+from ..context import boundaries_for
 from .generic import run_unpacked
 from .routes import routed_kernels_of
 
 __all__ = ["MixerAdapter", "REGISTRY", "check_coverage", "dense_causal_mask", "positions_per_sample", "register_adapter",
-           "unwrap_mixers", "wrap_mixers"]
+           "wrap_mixers"]
 
-_ORIGINAL_FORWARD = "_packfree_original_forward"
+_EARLIER_FORWARD = "_packfree_earlier_forward"
 
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
 _CLEARED_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state", "attention_mask",
@@ -129,16 +128,16 @@ def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, wi
 @torch.compiler.disable  # per-sample groups follow the packing: compiled, every new packing would recompile
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
-    parameters = inspect.signature(original).parameters
+    parameters = _parameters(layer)
     extra = dict(arguments.pop("kwargs", {}))
     for name in _DROPPED_KWARGS:
         extra.pop(name, None)
     token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
     for name in _CLEARED_PARAMETERS:
-        if name in parameters:
+        if name in parameters.names:
             fixed[name] = None
-    if "use_cache" in parameters:
+    if "use_cache" in parameters.names:
         fixed["use_cache"] = False
     indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
     returned = []  # how many entries the layer's own output tuple has
@@ -152,7 +151,7 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
             call["attention_mask"] = dense_causal_mask(
                 samples.shape[0], samples.shape[1], samples.device, window=getattr(layer, "sliding_window", None),
                 additive_dtype=samples.dtype if adapter.attention == "eager" else None)
-        out = original(**{k: v for k, v in call.items() if k in parameters or _takes_kwargs(parameters)})
+        out = original(**{k: v for k, v in call.items() if parameters.accepts(k)})
         if indices is None:
             return out
         returned[:] = [len(out)]
@@ -164,10 +163,6 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
         return hidden
     by_index = dict(zip(indices, hidden))
     return tuple(by_index.get(i) for i in range(returned[0]))
-
-
-def _takes_kwargs(parameters) -> bool:
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 class _StockAttention:
@@ -200,20 +195,90 @@ def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
     return mask
 
 
+@dataclass(frozen=True)
+class _ForwardParameters:
+    """A mixer forward's parameters (without ``self``), read once when the model is prepared, so that binding a
+    call is plain dict work that torch.compile traces (``inspect`` is not traceable)."""
+
+    names: tuple[str, ...]
+    """Named parameters, in order (those positional arguments fill)."""
+    var_keyword: str | None
+    """Name of the ``**kwargs`` parameter, None without one."""
+
+    @classmethod
+    def of(cls, forward: Callable) -> _ForwardParameters:
+        parameters = inspect.signature(forward).parameters.values()
+        names = tuple(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                               inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                               inspect.Parameter.KEYWORD_ONLY))
+        var_keyword = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        return cls(names, var_keyword)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.names or self.var_keyword is not None
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Like ``inspect.Signature.bind(*args, **kwargs).arguments``: named arguments, and the rest of the keywords
+        under the ``**kwargs`` parameter's name."""
+        if len(args) > len(self.names):
+            raise TypeError(f"too many positional arguments: {len(args)} for {list(self.names)}")
+        arguments = dict(zip(self.names, args))
+        extra = {}
+        for name, value in kwargs.items():
+            if name in arguments:
+                raise TypeError(f"multiple values for argument {name!r}")
+            if name in self.names:
+                arguments[name] = value
+            elif self.var_keyword is not None:
+                extra[name] = value
+            else:
+                raise TypeError(f"unexpected keyword argument {name!r}")
+        if extra:
+            arguments[self.var_keyword] = extra
+        return arguments
+
+
+_PARAMETERS: dict[type, _ForwardParameters] = {}
+"""Mixer class -> parameters of its own ``forward``; filled by :func:`wrap_mixers` when a model is prepared."""
+_EARLIER_PARAMETERS = "_packfree_earlier_forward_parameters"
+
+
+def _parameters(layer: nn.Module) -> _ForwardParameters:
+    """Parameters of the layer's own forward (:func:`_own_forward`)."""
+    earlier = layer.__dict__.get(_EARLIER_PARAMETERS)
+    if earlier is not None:
+        return earlier
+    parameters = _PARAMETERS.get(type(layer))
+    if parameters is None:  # a model unpickled in a new process: its classes were never prepared here
+        parameters = _PARAMETERS[type(layer)] = _ForwardParameters.of(functools.partial(type(layer).forward, layer))
+    return parameters
+
+
+def _own_forward(layer: nn.Module) -> Callable:
+    """The layer's forward as it was before packfree: one set on the instance earlier (e.g. by accelerate's
+    hooks), else its class's."""
+    earlier = layer.__dict__.get(_EARLIER_FORWARD)
+    return earlier if earlier is not None else functools.partial(type(layer).forward, layer)
+
+
+def _is_wrapped(layer: nn.Module) -> bool:
+    forward = layer.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _mixer_forward
+
+
 def _mixer_forward(layer: nn.Module, *args, **kwargs):
-    """The forward every covered mixer gets, bound to the layer (so a deep copy rebinds to the copy)."""
+    """The forward every covered mixer gets, as ``functools.partial(_mixer_forward, layer)`` in the layer's
+    ``__dict__``: picklable, and a deep copy binds to the copy."""
     adapter = REGISTRY[type(layer).__name__]
-    original = getattr(layer, _ORIGINAL_FORWARD)
-    boundaries = kwargs.get("packfree_boundaries")
-    if boundaries is None:
-        boundaries = active_boundaries.top()
+    original = _own_forward(layer)
+    boundaries = boundaries_for(kwargs)
     if adapter.attention is not None:
         return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
     if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
         # one sample per row: the layer's own forward is exact; boundary inputs would only make
         # transformers' kernel fallbacks refuse the call
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-    arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
+    arguments = _parameters(layer).bind(args, kwargs)
     hidden = arguments.get(adapter.hidden_arg)
     if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
         return original(*args, **kwargs)
@@ -224,7 +289,7 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
 
 def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
                        *args, **kwargs):
-    arguments = dict(inspect.signature(original).bind(*args, **kwargs).arguments)
+    arguments = _parameters(layer).bind(args, kwargs)
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
         if boundaries is not None and boundaries.describes(*hidden.shape[:2]):
@@ -246,20 +311,16 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         adapter = REGISTRY.get(type(module).__name__)
         if adapter is None:
             continue
-        if not hasattr(module, _ORIGINAL_FORWARD):
-            setattr(module, _ORIGINAL_FORWARD, module.forward)
-            module.forward = types.MethodType(_mixer_forward, module)
+        if not _is_wrapped(module):
+            if "forward" in module.__dict__:
+                module.__dict__[_EARLIER_FORWARD] = module.__dict__["forward"]
+                module.__dict__[_EARLIER_PARAMETERS] = _ForwardParameters.of(module.__dict__["forward"])
+            _parameters(module)  # read the forward's parameters now, outside any compiled region
+            module.forward = functools.partial(_mixer_forward, module)
         if adapter.native is not None:
             routed_kernels_of(module)
         wrapped.append((path, adapter.tier))
     return wrapped
-
-
-def unwrap_mixers(model: nn.Module) -> None:
-    for module in model.modules():
-        original = module.__dict__.pop(_ORIGINAL_FORWARD, None)
-        if original is not None:
-            module.__dict__.pop("forward", None)
 
 
 _RECURRENT_PARAMETERS = frozenset({"A_log", "dt_bias", "time_decay", "time_first", "recurrent_param", "a_param"})

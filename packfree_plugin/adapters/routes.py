@@ -1,13 +1,13 @@
 """The native tier: route packed boundaries into the kernel functions transformers' mixers already call.
 
-transformers 5.24 builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed
-set of module-level kernel functions, each declared with
-``@use_kernel_func_from_hub_with_fallback("<kernel name>", "<package>")`` (``causal_conv1d_fn``,
-``chunk_gated_delta_rule``, ``chunk_kda``, ``mamba_chunk_scan_combined``, ``selective_scan_fn``, ...).
-:func:`install_routes` wraps those functions in a modeling module with a router. Outside a packfree
-native call the router is transparent (it calls the original). Inside one (:func:`native_forward`), it
-calls packfree's boundary-aware op instead, which takes the boundaries from the active
-:class:`Boundaries` and itself picks the CUDA kernel (causal-conv1d, mamba-ssm, fla) when present.
+transformers builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed set of
+module-level kernel functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). The explicit table
+:data:`ROUTED_FUNCTIONS` names them per modeling module, and :func:`install_routes` wraps each in a
+router. Outside a packfree native call the router is transparent (it calls the original). Inside one
+(:func:`native_forward`, which pushes a :class:`~packfree_plugin.context.NativeCall`), it calls the
+matching route of :data:`ROUTED_KERNELS`, which runs packfree's boundary-aware op on that call's
+boundaries; the op itself picks the CUDA kernel (causal-conv1d, mamba-ssm, fla) when present.
 
 Rules that keep this from ever being silently wrong:
 
@@ -21,8 +21,6 @@ Rules that keep this from ever being silently wrong:
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -32,29 +30,13 @@ import torch
 from torch import nn
 
 from .. import opaque
-from ..active import ThreadStack
 from ..boundaries import Boundaries
+from ..context import NativeCall, enter_native, exit_native, native_call
 from ..opaque import boundary_function
 
-__all__ = ["ROUTED_KERNELS", "install_routes", "native_forward", "uninstall_routes"]
+__all__ = ["ROUTED_FUNCTIONS", "ROUTED_KERNELS", "install_routes", "native_forward", "uninstall_routes"]
 
-_DECLARATION = re.compile(
-    r'@use_kernel_func_from_hub_with_fallback\(\s*"(?P<kernel>\w+)"[^)]*\)\s*\ndef (?P<function>\w+)\('
-)
 _ROUTED_ATTR = "_packfree_routed_original"
-
-
-class _NativeCall:
-    """State of one native layer call: its boundaries and how many kernels it routed."""
-
-    def __init__(self, boundaries: Boundaries, layer_name: str) -> None:
-        self.boundaries = boundaries
-        self.layer_name = layer_name
-        self.routed = 0
-
-
-_ACTIVE: ThreadStack[_NativeCall] = ThreadStack()
-"""The native layer call in progress on this thread (None outside one)."""
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -70,14 +52,14 @@ def _conv_op(boundaries: Boundaries, x: torch.Tensor, weight: torch.Tensor, bias
     return causal_conv1d(x, weight, bias, activation=activation, seq_idx=boundaries.seq_idx)
 
 
-def _conv(call: _NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
+def _conv(call: NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
     """transformers' ``causal_conv1d_fn``: ``[B, C, T]`` in and out."""
     x = hidden_states.to(weight.dtype).transpose(1, 2)
     out = opaque.call("packfree.causal_conv1d", call.boundaries, x, weight, bias, activation=activation)
     return out.transpose(1, 2).to(hidden_states.dtype)
 
 
-def _refuse_state(call: _NativeCall, kernel: str, **states: Any) -> None:
+def _refuse_state(call: NativeCall, kernel: str, **states: Any) -> None:
     given = [name for name, value in states.items() if value not in (None, False)]
     if given:
         raise ValueError(f"{call.layer_name}: {kernel} got {', '.join(given)} in a packed batch (no cache allowed)")
@@ -115,7 +97,7 @@ def _flattened(boundaries: Boundaries, op: Callable, *tensors: torch.Tensor, **o
     return out.reshape(batch, seq_len, *out.shape[2:]).to(tensors[2].dtype)
 
 
-def _gated_delta(call: _NativeCall, query, key, value, g, beta, chunk_size=64, initial_state=None,
+def _gated_delta(call: NativeCall, query, key, value, g, beta, chunk_size=64, initial_state=None,
                  output_final_state=False, use_qk_l2norm_in_kernel=False, scale=None, **_: Any):
     _refuse_state(call, "chunk_gated_delta_rule", initial_state=initial_state, output_final_state=output_final_state)
     query, key = _value_heads(query, key, value)
@@ -123,7 +105,7 @@ def _gated_delta(call: _NativeCall, query, key, value, g, beta, chunk_size=64, i
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
-def _kda(call: _NativeCall, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+def _kda(call: NativeCall, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
          use_qk_l2norm_in_kernel=False, **_: Any):
     _refuse_state(call, "chunk_kda", initial_state=initial_state, output_final_state=output_final_state)
     q, k = _value_heads(q, k, v)
@@ -149,7 +131,7 @@ def _ssd_op(boundaries: Boundaries, x, dt, A, B, C, D, z, dt_bias, *, chunk_size
                           dt_limit=tuple(dt_limit), seq_idx=boundaries.seq_idx).to(x.dtype).contiguous()
 
 
-def _ssd(call: _NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+def _ssd(call: NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **_: Any):
     """transformers' ``mamba_chunk_scan_combined``: ``x [B, T, H, P]``."""
     _refuse_state(call, "mamba_chunk_scan_combined", initial_states=initial_states,
@@ -170,7 +152,7 @@ def _selective_scan_op(boundaries: Boundaries, u, delta, A, B, C, D, z, delta_bi
                           seq_idx=boundaries.seq_idx).to(u.dtype).contiguous()
 
 
-def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+def _selective_scan(call: NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
                     delta_softplus=False, return_last_state=False, **_: Any):
     """transformers' ``selective_scan_fn``: ``u [B, D, T]``."""
     _refuse_state(call, "selective_scan_fn", return_last_state=return_last_state)
@@ -178,14 +160,14 @@ def _selective_scan(call: _NativeCall, hidden_states, dt, A, B, C, D=None, z=Non
                        delta_softplus=bool(delta_softplus), rows=(hidden_states.shape[0], hidden_states.shape[2]))
 
 
-def _unfused(call: _NativeCall, *args: Any, **kwargs: Any) -> None:
+def _unfused(call: NativeCall, *args: Any, **kwargs: Any) -> None:
     """Fused whole-layer kernels: decline, so the layer runs its routed split path."""
     call.routed -= 1  # declining is not routing
     return None
 
 
 def _decode_only(kernel: str) -> Callable:
-    def refuse(call: _NativeCall, *args: Any, **kwargs: Any):
+    def refuse(call: NativeCall, *args: Any, **kwargs: Any):
         raise ValueError(f"{call.layer_name} called the decoding kernel {kernel} on a packed batch")
 
     return refuse
@@ -208,14 +190,45 @@ ROUTED_KERNELS: dict[str, Callable] = {
 
 
 # ------------------------------------------------------------------------------------ installation
-@functools.cache
-def _declared_kernels(module_name: str) -> tuple[tuple[str, str], ...]:
-    """``(kernel name, function name)`` pairs declared in a modeling module's source."""
-    try:
-        source = inspect.getsource(sys.modules[module_name])
-    except (OSError, TypeError, KeyError):
-        return ()
-    return tuple((m["kernel"], m["function"]) for m in _DECLARATION.finditer(source))
+_CONV = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
+_GATED_DELTA = {**_CONV, "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+                "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
+_KDA = {**_CONV, "chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "fused_recurrent_kda"}
+_MAMBA2 = {**_CONV, "mamba2_chunk_scan": "mamba_chunk_scan_combined",
+           "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined",
+           "mamba2_selective_state_update": "selective_state_update"}
+_MAMBA = {**_CONV, "mamba_selective_scan": "selective_scan_fn", "mamba_selective_state_update": "selective_state_update"}
+
+ROUTED_FUNCTIONS: dict[str, dict[str, str]] = {
+    # modeling module (under transformers.models) -> {module-level function: the kernel it implements}
+    "qwen3_next.modeling_qwen3_next": _GATED_DELTA,
+    "qwen3_5.modeling_qwen3_5": _GATED_DELTA,
+    "qwen3_5_moe.modeling_qwen3_5_moe": _GATED_DELTA,
+    "qwen4_exp.modeling_qwen4_exp": _GATED_DELTA,
+    "olmo_hybrid.modeling_olmo_hybrid": _GATED_DELTA,
+    "lara_mini.modeling_lara_mini": _GATED_DELTA,
+    "kimi_linear.modeling_kimi_linear": _KDA,
+    "bailing_hybrid.modeling_bailing_hybrid": _KDA,
+    "glm5_next.modeling_glm5_next": _KDA,
+    "mamba2.modeling_mamba2": _MAMBA2,
+    "bamba.modeling_bamba": _MAMBA2,
+    "falcon_h1.modeling_falcon_h1": _MAMBA2,
+    "granitemoehybrid.modeling_granitemoehybrid": _MAMBA2,
+    "nemotron_h.modeling_nemotron_h": _MAMBA2,
+    "zamba2.modeling_zamba2": _MAMBA2,
+    "mamba.modeling_mamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
+    "falcon_mamba.modeling_falcon_mamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
+    "jamba.modeling_jamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
+    "zamba.modeling_zamba": _MAMBA,
+    "lfm2.modeling_lfm2": _CONV,
+    "lfm2_moe.modeling_lfm2_moe": _CONV,
+    "lfm3.modeling_lfm3": _CONV,
+}
+"""Every transformers function packfree routes, by modeling module: the functions that module declares with
+``@use_kernel_func_from_hub_with_fallback("<kernel>", ...)`` and calls from its mixers, for the transformers
+range in :mod:`packfree_plugin.compat` (``tests/adapters/test_kernel_table.py`` checks each exists)."""
+
+_PREFIX = "transformers.models."
 
 
 def _router(kernel: str, original: Callable) -> Callable:
@@ -223,7 +236,7 @@ def _router(kernel: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any):
-        call = _ACTIVE.top()
+        call = native_call()
         if call is None:
             return original(*args, **kwargs)
         call.routed += 1
@@ -238,34 +251,40 @@ _INSTALLED: set[str] = set()
 
 
 def install_routes(module: ModuleType) -> list[str]:
-    """Wrap every routed kernel function declared in ``module`` (idempotent); returns their kernel names."""
-    _INSTALLED.add(module.__name__)
+    """Wrap every function :data:`ROUTED_FUNCTIONS` lists for ``module`` (idempotent); returns their kernel names.
+    Raises ``ValueError`` when a listed function is missing (a transformers release packfree does not know)."""
+    functions = ROUTED_FUNCTIONS.get(module.__name__.removeprefix(_PREFIX), {})
     installed = []
-    for kernel, function in _declared_kernels(module.__name__):
+    for function, kernel in functions.items():
         current = getattr(module, function, None)
-        if kernel not in ROUTED_KERNELS or current is None:
-            continue
+        if current is None:
+            raise ValueError(
+                f"{module.__name__} has no function {function!r}, which packfree routes to its {kernel} op: this "
+                "transformers version is outside the range packfree was tested with"
+            )
         if not hasattr(current, _ROUTED_ATTR):
             setattr(module, function, _router(kernel, current))
         installed.append(kernel)
+    _INSTALLED.add(module.__name__)
     return installed
 
 
 def uninstall_routes() -> None:
     """Restore every routed function in every loaded modeling module."""
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
+    for name in ROUTED_FUNCTIONS:
+        module = sys.modules.get(_PREFIX + name)
+        if module is None:
             continue
-        for _, function in _declared_kernels(name):
+        for function in ROUTED_FUNCTIONS[name]:
             current = getattr(module, function, None)
             if current is not None and hasattr(current, _ROUTED_ATTR):
                 setattr(module, function, getattr(current, _ROUTED_ATTR))
     _INSTALLED.clear()
 
 
-@torch.compiler.disable  # reads source files; runs when a model is prepared, so compiled code never gets here
+@torch.compiler.disable  # patches module globals: runs when a model is prepared, so compiled code never gets here
 def routed_kernels_of(layer: nn.Module) -> list[str]:
-    """Kernel names the layer's modeling module declares and packfree routes (installing the routes)."""
+    """Kernel names the layer's modeling module routes to packfree (installing the routes)."""
     module = sys.modules.get(type(layer).__module__)
     return install_routes(module) if module is not None else []
 
@@ -284,12 +303,11 @@ def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries,
                                                          "max_length_q", "max_length_k", "packfree_boundaries")}
     if type(layer).__module__ not in _INSTALLED:  # routes were removed (unregister) since the model was prepared
         routed_kernels_of(layer)
-    call = _NativeCall(boundaries, type(layer).__name__)
-    _ACTIVE.push(call)
+    call = enter_native(boundaries, type(layer).__name__)
     try:
         out = original(**arguments, **extra)
     finally:
-        _ACTIVE.pop()
+        exit_native()
     if call.routed <= 0:
         raise ValueError(
             f"{type(layer).__name__} routed none of its sequence mixing through a known kernel function; "

@@ -23,8 +23,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import opaque
-from ..active import active_boundaries
 from ..boundaries import Boundaries
+from ..context import current, in_prepared_forward
 from ..opaque import boundary_function
 from .reference import AttentionOptions, eager_attention
 from .segments import segment_attention
@@ -170,22 +170,16 @@ def packfree_attention_forward(
     if isinstance(attention_mask, Boundaries):
         return run_packed_attention(query, key, value, attention_mask, options, training=training), None
     if attention_mask is None:
-        boundaries = kwargs.get("packfree_boundaries")
-        if boundaries is None and query.shape[2] == key.shape[2] > 1:
-            boundaries = _boundaries_from_kwargs(query, kwargs)
+        boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
         if boundaries is not None and query.shape[2] == key.shape[2]:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
+    if not in_prepared_forward():
+        raise ValueError(
+            f"{type(module).__name__} runs packfree attention in a model packfree has not prepared (for example one "
+            "switched with set_attn_implementation('packfree') after loading), so nothing reads its batch's "
+            "boundaries. Call packfree_plugin.apply(model) once, or load it with attn_implementation='packfree'"
+        )
     return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
-
-
-def _boundaries_from_kwargs(query: torch.Tensor, kwargs: dict) -> Boundaries | None:
-    """Fallback for a model packfree did not hook: read the boundary kwargs that reached this layer."""
-    found = {name: kwargs[name] for name in _BOUNDARY_KWARGS if kwargs.get(name) is not None}
-    if not found:
-        return None
-    return Boundaries.from_model_inputs(
-        batch_size=query.shape[0], seq_len=query.shape[2], device=query.device, **found
-    )
 
 
 def _masked_attention(
@@ -227,7 +221,7 @@ def packfree_attention_mask(
     **kwargs,
 ) -> Boundaries | torch.Tensor | None:
     """transformers' mask-function contract. Returns this forward's boundaries when there are any."""
-    boundaries = active_boundaries.top()
+    boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         if not use_vmap:
             return boundaries

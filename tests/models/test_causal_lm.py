@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening, DynamicCache
 
+import packfree_plugin
 from packfree_plugin.attention import interface
 from tests.conftest import TINY_CAUSAL_LM, assert_close, build_pair, reference_tolerance
 
@@ -199,14 +200,18 @@ def test_unpacked_generate_with_cache_matches_stock(model_type: str) -> None:
                      what=f"{model_type} generate step {step}")
 
 
-def test_model_switched_to_packfree_after_loading_still_isolates() -> None:
-    """No load hook ran: the attention function reads the boundary kwargs that reach each layer."""
+def test_model_switched_to_packfree_after_loading_is_refused_until_applied() -> None:
+    """No load hook ran, so nothing read the batch's boundaries: packfree refuses to guess, and after
+    ``packfree_plugin.apply(model)`` the packed row is exact."""
     _, stock = build_pair("llama", reference="sdpa")
     model = build_pair("llama", reference="sdpa")[1]
     model.set_attn_implementation("packfree")
     lengths = [5, 3, 8]
     samples = random_samples(lengths)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"packfree_plugin.apply\(model\)"):
+        model(**packed_batch(samples, "position_ids"))
+    packfree_plugin.apply(model)
     with torch.no_grad():
         logits = model(**packed_batch(samples, "position_ids")).logits[0]  # default use_cache=True
     for piece, expected in zip(logits.split(lengths), alone_logits(stock, samples)):
-        assert_close(piece, expected, atol=1e-9, rtol=0, what="un-hooked model")
+        assert_close(piece, expected, atol=1e-9, rtol=0, what="model applied after switching")

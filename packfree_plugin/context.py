@@ -1,45 +1,133 @@
-"""The model hook: build this forward's :class:`Boundaries` once and hand it to every layer.
+"""The per-forward context: the one place that reads a batch and decides its :class:`Boundaries`, and the
+one per-thread stack from which every consumer that transformers' ``**kwargs`` do not reach reads them.
 
-A forward pre-hook on each ``PreTrainedModel`` in the tree reads the call's boundary inputs
-(``cu_seq_lens_*``, ``seq_idx``, ``position_ids``, ``attention_mask``), builds one ``Boundaries`` and
-passes it down twice: as the ``packfree_boundaries`` keyword, which transformers forwards through its
-``**kwargs`` to every decoder layer, attention call and most mixers (and which gradient checkpointing
-saves with the layer's inputs), and through :data:`~packfree_plugin.active.active_boundaries`, which the
-mask function turns into the ``attention_mask`` every attention layer receives. Nested models reuse the
-outer model's object. In models with sequence mixers, a hook on each decoder layer pushes the boundaries
-it was called with, for mixers that do not receive the layer's ``**kwargs``; that hook is traced by
-``torch.compile`` (no graph break per layer). Only the outermost model's hook reads the batch, a graph
-break at the very start of the forward, so a compiled ``...ForCausalLM`` forward runs one graph; a caller
-who passes ``packfree_boundaries`` built ahead gets no break at all (``fullgraph=True``).
+How boundaries flow through one forward (the README draws the same picture)::
+
+    model(**batch)
+      _model_pre_hook ........ reads the batch once (_read_batch -> boundaries_for_call), pushes the
+      |                        Boundaries, adds packfree_boundaries= to the call's **kwargs
+      |- mask function ....... attention.interface.packfree_attention_mask returns current() as the mask
+      |- attention ........... attention.interface.packfree_attention_forward gets it as attention_mask
+      |- decoder layer ....... _layer_pre_hook pushes boundaries_for(kwargs) for the mixers inside
+      |   |- mixer ........... adapters.registry.mixer_forward: boundaries_for(kwargs)
+      |   |   |- native tier . adapters.routes.native_forward pushes a NativeCall; each routed kernel
+      |   |                    reads native_call() and runs the packfree op with its boundaries
+      |   |- checkpointing ... _carry_through_checkpoint re-pushes them when backward recomputes the layer
+      _model_post_hook ....... pops
+
+Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
+kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
+outermost hook reads the batch, a graph break at the very start of a compiled forward. A caller who builds
+the boundaries ahead and passes ``packfree_boundaries`` gets no break at all (``fullgraph=True``).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
 filled from a packed row would mix samples' keys, so for a packed batch packfree turns ``use_cache`` off
-(the model returns no cache) and refuses a cache object passed in explicitly. Once a cache holds
-tokens (decoding), a packed batch is refused and unpacked calls follow transformers' own masks.
+(the model returns no cache) and refuses a cache object passed in explicitly. Once a cache holds tokens
+(decoding), a packed batch is refused and unpacked calls follow transformers' own masks.
+
+The stack lives on a ``threading.local`` rather than in a ``ContextVar``: Dynamo traces reads and pushes
+of the former and breaks the graph on the latter, and these reads happen in every layer.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from functools import cache
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..active import active_boundaries
-from ..boundaries import Boundaries
+from .boundaries import Boundaries
 
-__all__ = ["apply_model_hook", "remove_model_hook", "boundaries_for_call"]
+__all__ = [
+    "NativeCall",
+    "apply_model_hook",
+    "boundaries_for",
+    "boundaries_for_call",
+    "current",
+    "enter_native",
+    "exit_native",
+    "in_prepared_forward",
+    "native_call",
+]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
-_PUBLISHES_ATTR = "_packfree_publishes_boundaries"
+_CARRIES_ATTR = "_packfree_carries_boundaries"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
+class NativeCall:
+    """One native-tier mixer call in progress: its boundaries, and how many kernel calls it routed."""
+
+    def __init__(self, boundaries: Boundaries, layer_name: str) -> None:
+        self.boundaries = boundaries
+        self.layer_name = layer_name
+        self.routed = 0
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.items: list[Boundaries | NativeCall | None] = []
+
+
+_STACK = _PerThread()
+"""The one per-thread stack: the boundaries of the model forward, decoder layer or native mixer call in
+progress (None: a call that packs nothing, e.g. decoding)."""
+
+
+def _top() -> Boundaries | NativeCall | None:
+    items = _STACK.items
+    return items[-1] if items else None
+
+
+def _push(entry: Boundaries | NativeCall | None) -> None:
+    _STACK.items.append(entry)
+
+
+def _pop() -> None:
+    _STACK.items.pop()
+
+
+def current() -> Boundaries | None:
+    """The boundaries in effect on this thread (None outside a packfree forward, or while decoding)."""
+    top = _top()
+    return top.boundaries if isinstance(top, NativeCall) else top
+
+
+def in_prepared_forward() -> bool:
+    """Whether a forward of a model prepared by packfree is in progress on this thread (its hook pushed an entry,
+    None included: a decoding step)."""
+    return bool(_STACK.items)
+
+
+def boundaries_for(kwargs: dict[str, Any]) -> Boundaries | None:
+    """A consumer's boundaries: the ``packfree_boundaries`` transformers forwarded through its ``**kwargs``,
+    else :func:`current`."""
+    given = kwargs.get("packfree_boundaries")
+    return given if given is not None else current()
+
+
+def native_call() -> NativeCall | None:
+    """The native mixer call in progress on this thread, if the innermost entry is one."""
+    top = _top()
+    return top if isinstance(top, NativeCall) else None
+
+
+def enter_native(boundaries: Boundaries, layer_name: str) -> NativeCall:
+    """Start a native mixer call (pair with :func:`exit_native` in a ``finally``)."""
+    call = NativeCall(boundaries, layer_name)
+    _push(call)
+    return call
+
+
+def exit_native() -> None:
+    _pop()
+
+
+# ------------------------------------------------------------------------------ reading the batch
 @cache
 def _forward_parameters(cls: type) -> tuple[inspect.Signature, str | None]:
     """Signature of ``cls.forward`` and the name of its ``**kwargs`` parameter (None if it has none)."""
@@ -55,12 +143,32 @@ def _tokens(arguments: dict[str, Any]) -> Any:
 
 
 def _cache_holds_tokens(past: Any) -> bool:
+    """Whether a cache object already holds state from earlier tokens, read from its layers' real state
+    (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
     if past is None:
         return False
-    try:
-        return past.get_seq_length() > 0
-    except (AttributeError, ValueError, TypeError, IndexError):
-        return bool(getattr(past, "has_previous_state", False))
+    from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+
+    if isinstance(past, Cache):
+        for layer in past.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                if any(layer.has_previous_state.values()):
+                    return True
+            elif layer.get_seq_length() > 0:
+                return True
+        return False
+    if isinstance(past, (list, tuple)):  # legacy tuples, RWKV's state list
+        return any(isinstance(t, torch.Tensor) and t.numel() > 0 for t in _flat(past))
+    seq_length = getattr(past, "get_seq_length", None)
+    if callable(seq_length):
+        return seq_length() > 0
+    return True  # an unknown cache type: assume it holds tokens, so a packed batch is refused, never mixed
+
+
+def _flat(tree: Any) -> list[Any]:
+    if isinstance(tree, (list, tuple)):
+        return [leaf for item in tree for leaf in _flat(item)]
+    return [tree]
 
 
 def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
@@ -101,25 +209,21 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     return boundaries
 
 
-def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
-    tokens = _tokens(arguments)
-    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
-
-
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+# ------------------------------------------------------------------------------------ model hooks
+def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Push this forward's boundaries. Traced by torch.compile, without reading the batch: boundaries passed
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
     (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is not None:
-        active_boundaries.push(boundaries)  # first: the post-hook pops even when the check raises
+        _push(boundaries)  # first: the post-hook pops even when the check raises
         _check_given(boundaries, _call_tokens(args, kwargs))
         return args, kwargs
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
         return _read_batch(module, args, kwargs)
-    active_boundaries.push(boundaries)
+    _push(boundaries)
     return args, kwargs
 
 
@@ -145,7 +249,7 @@ def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:
 
 def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
     """The enclosing model's boundaries when this call is for the same tokens with the cache off, else None."""
-    parent = active_boundaries.top()
+    parent = current()
     if parent is None or kwargs.get("use_cache") is not False:
         return None
     tokens = _call_tokens(args, kwargs)
@@ -156,12 +260,12 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
 def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Build the boundaries from the call's inputs and push them (pushes first: the post-hook pops even when
     the inputs are refused)."""
-    active_boundaries.push(None)
+    outer = current()
+    _push(None)
     signature, var_keyword = _forward_parameters(type(module))
     takes_kwargs = var_keyword is not None
     bound = signature.bind_partial(module, *args, **kwargs).arguments
     arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
-    outer = active_boundaries.below_top()
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
     if boundaries is not None:
@@ -170,77 +274,78 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             kwargs["use_cache"] = False
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries
-    active_boundaries.replace_top(boundaries)
+    _STACK.items[-1] = boundaries
     return args, kwargs
+
+
+def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
+    tokens = _tokens(arguments)
+    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Pop what the model or decoder-layer pre-hook pushed (runs even when the forward raised)."""
-    active_boundaries.pop()
+    _pop()
 
 
 def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Decoder layers push the boundaries they were called with for the mixers inside, and make their
     gradient-checkpointing function carry them into the recomputation that backward runs. Traced by
     torch.compile: nothing here reads tensors or breaks the graph."""
-    boundaries = kwargs.get("packfree_boundaries")
-    active_boundaries.push(boundaries if boundaries is not None else active_boundaries.top())
+    _push(boundaries_for(kwargs))
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-    if checkpoint is not None and not hasattr(checkpoint, _PUBLISHES_ATTR):
+    if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
         _wrap_checkpoint(module)
 
 
 @torch.compiler.disable  # once per layer, when gradient checkpointing is first seen
 def _wrap_checkpoint(module: nn.Module) -> None:
-    module._gradient_checkpointing_func = _publishing_checkpoint(module._gradient_checkpointing_func)
+    module._gradient_checkpointing_func = _carry_through_checkpoint(module._gradient_checkpointing_func)
 
 
-def _publishing_checkpoint(checkpoint: Any) -> Any:
+def _carry_through_checkpoint(checkpoint: Any) -> Any:
     """Wrap a checkpoint function so the checkpointed layer runs, and re-runs in backward, with the boundaries
-    that were active when it was first called. (transformers checkpoints a layer's ``forward``, which module
+    that were in effect when it was first called. (transformers checkpoints a layer's ``forward``, which module
     hooks do not see, so without this the recomputation would run the mixers on the packed row unprotected.)"""
 
-    def publishing(function, *args, **kwargs):
-        boundaries = active_boundaries.top()
+    def carrying(function, *args, **kwargs):
+        boundaries = current()
 
         def run(*inner_args, **inner_kwargs):
-            active_boundaries.push(boundaries)
+            _push(boundaries)
             try:
                 return function(*inner_args, **inner_kwargs)
             finally:
-                active_boundaries.pop()
+                _pop()
 
         return checkpoint(run, *args, **kwargs)
 
-    setattr(publishing, _PUBLISHES_ATTR, True)
-    return publishing
+    setattr(carrying, _CARRIES_ATTR, True)
+    return carrying
 
 
 def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
     """Hook every ``PreTrainedModel`` in ``model`` and, with ``layer_hooks``, every decoder layer (which only
-    models with sequence mixers need); idempotent.
-    Returns how many modules were newly hooked."""
+    models with sequence mixers need); idempotent. Returns how many modules were newly hooked."""
+    # here, not at the top: registration (which imports this module) runs while transformers.modeling_layers
+    # may still be importing
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     hooked = 0
     for module in model.modules():
         if hasattr(module, _HANDLES_ATTR):
             continue
         if isinstance(module, PreTrainedModel):
-            pre_hook, post_hook = _pre_hook, _post_hook
+            pre_hook = _model_pre_hook
         elif layer_hooks and isinstance(module, GradientCheckpointingLayer):
-            pre_hook, post_hook = _layer_pre_hook, _post_hook
+            pre_hook = _layer_pre_hook
         else:
             continue
         handles = (
             module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-            module.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         )
         setattr(module, _HANDLES_ATTR, handles)
         hooked += 1
     return hooked
-
-
-def remove_model_hook(model: nn.Module) -> None:
-    """Undo :func:`apply_model_hook` on every module of ``model``."""
-    for module in model.modules():
-        for handle in module.__dict__.pop(_HANDLES_ATTR, ()):
-            handle.remove()

@@ -1,0 +1,64 @@
+"""packfree's explicit tables against the installed transformers: every layer class it adapts and every kernel
+function it routes must exist, so a transformers release that renames one fails here, not at a user's load."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import transformers
+
+from packfree_plugin.adapters import families, registry  # noqa: F401 - families fills the registry
+from packfree_plugin.adapters.routes import ROUTED_FUNCTIONS, ROUTED_KERNELS
+
+MODELS = Path(transformers.__file__).parent / "models"
+
+
+def _defining_modules() -> dict[str, str]:
+    """Layer class name -> the modeling module that defines it, for every class the registry names."""
+    wanted = set(registry.REGISTRY)
+    found: dict[str, str] = {}
+    pattern = re.compile(r"^\s*class (\w+)\(", re.MULTILINE)  # some are defined inside an `if`
+    for path in MODELS.glob("*/modeling_*.py"):
+        for name in set(pattern.findall(path.read_text(encoding="utf-8"))) & wanted:
+            found.setdefault(name, f"transformers.models.{path.parent.name}.{path.stem}")
+    return found
+
+
+def test_every_adapted_layer_class_exists() -> None:
+    defined = _defining_modules()
+    missing = sorted(set(registry.REGISTRY) - set(defined))
+    assert not missing, f"layer classes packfree adapts but transformers {transformers.__version__} lacks: {missing}"
+    for name, module in defined.items():
+        assert isinstance(getattr(importlib.import_module(module), name, None), type), f"{module}.{name}"
+
+
+@pytest.mark.parametrize("module_name", sorted(ROUTED_FUNCTIONS))
+def test_every_routed_function_exists(module_name: str) -> None:
+    module = importlib.import_module(f"transformers.models.{module_name}")
+    for function, kernel in ROUTED_FUNCTIONS[module_name].items():
+        assert callable(getattr(module, function, None)), f"{module_name}.{function} is gone"
+        assert kernel in ROUTED_KERNELS, f"{function} maps to {kernel}, which packfree has no route for"
+
+
+def test_every_native_adapter_has_its_module_in_the_table() -> None:
+    """A native adapter whose modeling module is missing from the table would route nothing and be refused at
+    every packed call; catch that here."""
+    from packfree_plugin.adapters.routes import native_forward
+
+    defined = _defining_modules()
+    for name, adapter in registry.REGISTRY.items():
+        if adapter.native is native_forward:
+            assert defined[name].removeprefix("transformers.models.") in ROUTED_FUNCTIONS, name
+
+
+def test_a_missing_routed_function_is_refused(monkeypatch) -> None:
+    from transformers.models.lfm2 import modeling_lfm2
+
+    from packfree_plugin.adapters.routes import install_routes
+
+    monkeypatch.delattr(modeling_lfm2, "causal_conv1d_update")
+    with pytest.raises(ValueError, match="outside the range packfree was tested with"):
+        install_routes(modeling_lfm2)
