@@ -31,6 +31,19 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
 
 
+OLDEST_TRANSFORMERS = "5.20.0"  # packfree_plugin.compat.OLDEST_TRANSFORMERS
+NEWEST_TRANSFORMERS = "5.24.0"
+
+
+@nox.session
+@nox.parametrize("transformers", [OLDEST_TRANSFORMERS, NEWEST_TRANSFORMERS])
+def compat(session: nox.Session, transformers: str) -> None:
+    """The default suite on the oldest and the newest transformers release packfree declares."""
+    _install(session)
+    session.install(f"transformers=={transformers}")
+    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+
+
 @nox.session
 def thorough(session: nox.Session) -> None:
     """The suite with the heavier Hypothesis profile (``thorough``)."""
