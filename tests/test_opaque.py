@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import packfree_plugin.adapters.forwards  # noqa: F401  (registers the inline-recurrence functions)
 import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer functions)
 import packfree_plugin.attention.interface  # noqa: F401  (registers packed attention)
 from packfree_plugin import opaque
@@ -68,6 +69,18 @@ def _selective_scan() -> tuple[tuple, dict]:
         delta_softplus=True, rows=(B, T))
 
 
+def _decay_linear_attention() -> tuple[tuple, dict]:
+    q, k, v = (_randn(B, T, 2, 4, seed=s, transpose=(1, 2)) for s in (0, 1, 2))
+    return (q, k, v, -torch.rand(2, dtype=F64)), dict(scale=1.0)
+
+
+def _rg_lru() -> tuple[tuple, dict]:
+    x = _randn(B, T, 6, seed=0, transpose=(0, 1))
+    input_gate = torch.sigmoid(_randn(B, T, 6, seed=1))
+    log_decay = -8.0 * torch.sigmoid(_randn(B, T, 6, seed=2)) * F.softplus(_randn(6, seed=3))
+    return (x, input_gate, log_decay), {}
+
+
 def _attention(dropout: float) -> Callable[[], tuple[tuple, dict]]:
     def build() -> tuple[tuple, dict]:
         q = _randn(B, 4, T, 8, seed=0, transpose=(1, 2))
@@ -87,6 +100,8 @@ CASES = {
     "packfree.chunk_kda": _delta_rule(key_decay=True),
     "packfree.ssd_chunk_scan": _ssd,
     "packfree.selective_scan": _selective_scan,
+    "packfree.decay_linear_attention": _decay_linear_attention,
+    "packfree.rg_lru": _rg_lru,
     "packfree.packed_attention": _attention(dropout=0.0),
     "packfree.packed_attention with dropout": _attention(dropout=0.3),
 }

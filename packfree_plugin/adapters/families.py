@@ -2,7 +2,8 @@
 
 Every entry runs the layer's own forward per sample (the generic tier) unless it names a native
 implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
-rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops. Classes listed in :data:`REFUSED` cannot be made exact yet: loading a model that holds
+rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops; the
+forwards of :mod:`.forwards` do the same for layers whose recurrence is inline (lightning attention, RG-LRU). Classes listed in :data:`REFUSED` cannot be made exact yet: loading a model that holds
 one with packfree raises, naming the class and the reason.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .registry import MixerAdapter, positions_per_sample, register_adapter
+from .forwards import lightning_forward, rg_lru_forward
 from .routes import native_forward
 
 NOT_MIXERS: frozenset[str] = frozenset({
@@ -56,7 +58,10 @@ PLE = register_adapter(MixerAdapter(
     notes="hashed n-grams of the previous tokens (its NGramEmbedding child) and a dilated causal conv",
 ))
 # ------------------------------------------------------------------ other recurrences
-LIGHTNING = register_adapter(MixerAdapter("lightning", ("MiniMaxLightningAttention",), output_index=0))
+LIGHTNING = register_adapter(MixerAdapter(
+    "lightning", ("MiniMaxLightningAttention",), native=lightning_forward, output_index=0,
+    notes="MiniMax's decay linear attention, computed inline: packfree's decay linear-attention op",
+))
 RWKV_TIME_MIX = register_adapter(MixerAdapter("rwkv_time_mix", ("RwkvSelfAttention",), hidden_arg="hidden",
                                               output_index=0))
 RWKV_CHANNEL_MIX = register_adapter(MixerAdapter(
@@ -64,8 +69,9 @@ RWKV_CHANNEL_MIX = register_adapter(MixerAdapter(
     notes="RWKV's feed-forward mixes each token with the previous one (token shift)",
 ))
 RG_LRU = register_adapter(MixerAdapter(
-    "rg_lru", ("RecurrentGemmaRecurrentBlock",), hidden_arg="input_states", output_index=0,
-    per_sample=positions_per_sample, notes="conv1d + RG-LRU; the RG-LRU itself also resets where position_ids == 0",
+    "rg_lru", ("RecurrentGemmaRecurrentBlock",), native=rg_lru_forward, hidden_arg="input_states", output_index=0,
+    per_sample=positions_per_sample,
+    notes="conv1d + RG-LRU, computed inline: packfree's conv and linear-recurrence ops",
 ))
 MLSTM = register_adapter(MixerAdapter("mlstm", ("xLSTMLayer",), hidden_arg="x", output_index=0))
 # ------------------------------------------------------------------ attention outside the packfree function
