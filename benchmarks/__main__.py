@@ -11,6 +11,7 @@ SUITES = {
     "attention": "benchmarks.attention",
     "linear-attention / recurrences": "benchmarks.ops_linear",
     "conv / SSD / selective scan": "benchmarks.ops_scan_conv",
+    "native vs generic tier (MiniMax, RecurrentGemma)": "benchmarks.native_tiers",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
     "compiled training step (inductor)": "benchmarks.compiled",
 }
