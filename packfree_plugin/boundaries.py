@@ -238,22 +238,47 @@ class Boundaries:
         return cls.from_starts(starts, device=device)
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor, *, device: torch.device | str | None = None) -> Boundaries:
-        """From ``position_ids [B, T]`` (or MRoPE ``[R, B, T]``) by the rule in the module docstring."""
+    def from_position_ids(cls, position_ids: torch.Tensor, *, device: torch.device | str | None = None,
+                          attention_mask: torch.Tensor | None = None) -> Boundaries:
+        """From ``position_ids [B, T]`` (or MRoPE ``[R, B, T]``) by the rule in the module docstring.
+
+        With a 2-D ``attention_mask`` (1 = token, 0 = padding), padding tokens form spans of their own and the
+        rule runs over each row's kept tokens, so a sample's ids may skip over padding: a kept token right after
+        padding whose id continues the kept token before it (transformers' ``(cumsum(mask) - 1) * mask`` ids)
+        would be one sample with a hole in it, which packfree cannot run exactly, and raises."""
         _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
         host = position_ids.detach().to("cpu", torch.long)
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
-        if host.ndim == 3:
-            starts = (host == 0).all(dim=0)
-        elif host.ndim == 2:
-            starts = torch.zeros_like(host, dtype=torch.bool)
-            starts[:, 1:] = host[:, 1:] != host[:, :-1] + 1
-        else:
+        if host.ndim not in (2, 3):
             raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
-        return cls.from_starts(starts, device=device)
+        kept = _host_padding_mask(attention_mask) if attention_mask is not None else None
+        starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
+        for row in range(starts.shape[0]):
+            tokens = kept[row].nonzero().flatten() if kept is not None else torch.arange(starts.shape[1])
+            ids = host[..., row, tokens]
+            if ids.ndim == 2:  # MRoPE planes without a text plane: a sample starts where all components are 0
+                row_starts = (ids == 0).all(dim=0)
+            else:
+                row_starts = torch.ones_like(ids, dtype=torch.bool)
+                row_starts[1:] = ids[1:] != ids[:-1] + 1
+            after_gap = torch.zeros_like(row_starts)
+            after_gap[1:] = tokens[1:] > tokens[:-1] + 1
+            holes = (after_gap & ~row_starts).nonzero().flatten()
+            if len(holes):
+                token = int(tokens[holes[0]])
+                raise ValueError(
+                    f"attention_mask has padding inside a sample (row {row}, before token {token}): the position_ids "
+                    "continue across it. packfree cannot leave a hole in a packed sample; drop the padding tokens "
+                    "from the row, or restart the position ids at 0 after it if a new sample starts there"
+                )
+            starts[row, tokens] = row_starts
+        if kept is None:
+            return cls.from_starts(starts, device=device)
+        starts[:, 1:] |= kept[:, 1:] != kept[:, :-1]  # padding spans are segments of their own
+        return cls.from_starts(starts, device=device)._with_padding(kept)
 
     @classmethod
     def from_attention_mask(cls, attention_mask: torch.Tensor, *, device: torch.device | str | None = None) -> Boundaries:
@@ -309,22 +334,39 @@ class Boundaries:
                 raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}, inputs are [B={batch_size}, T={seq_len}]")
             boundaries = cls.from_seq_idx(seq_idx, device=device)
         elif position_ids is not None:
-            if position_ids.shape[-1] != seq_len:
-                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs have T={seq_len}")
-            if position_ids.shape[-2] != batch_size:
-                position_ids = position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
-            boundaries = cls.from_position_ids(position_ids, device=device)
+            if attention_mask is not None:
+                _check_mask_shape(attention_mask, batch_size, seq_len)
+            return cls.from_position_ids(_rows_of(position_ids, batch_size, seq_len), device=device,
+                                         attention_mask=attention_mask)
         elif attention_mask is not None:
             _check_mask_shape(attention_mask, batch_size, seq_len)
             return cls.from_attention_mask(attention_mask, device=device)
         else:
             return cls(range(0, batch_size * seq_len + 1, seq_len), batch_size=batch_size, seq_len=seq_len, device=device)
-        if attention_mask is None:
-            return boundaries
-        _check_mask_shape(attention_mask, batch_size, seq_len)
-        return boundaries._with_padding(_host_padding_mask(attention_mask))
+        host_mask = None
+        if attention_mask is not None:
+            _check_mask_shape(attention_mask, batch_size, seq_len)
+            host_mask = _host_padding_mask(attention_mask)
+        if position_ids is not None and (cu_seq_lens_q is not None or seq_idx is not None):
+            boundaries._check_position_ids_agree(_rows_of(position_ids, batch_size, seq_len), host_mask)
+        return boundaries if host_mask is None else boundaries._with_padding(host_mask)
 
     # ---------------------------------------------------------------------------------- helpers
+    def _check_position_ids_agree(self, position_ids: torch.Tensor, host_mask: torch.Tensor | None) -> None:
+        """``cu_seq_lens`` / ``seq_idx`` win over ``position_ids``, which may continue across a boundary they give;
+        but a sample start that the ``position_ids`` show (a restart, on a kept token) must be one of theirs."""
+        implied = Boundaries.from_position_ids(position_ids, device=self.device).offsets
+        kept = host_mask.reshape(-1) if host_mask is not None else None
+        given = set(self.offsets)
+        extra = [o for o in implied[:-1] if o not in given and (kept is None or bool(kept[o]))]
+        if extra:
+            token = extra[0]
+            raise ValueError(
+                f"position_ids contradict the packed boundaries: they start a new sample at token {token % self.seq_len}"
+                f" of row {token // self.seq_len}, where cu_seq_lens / seq_idx continue one; pass boundaries and "
+                "position_ids built from the same packing"
+            )
+
     def _with_padding(self, host_mask: torch.Tensor) -> Boundaries:
         """Mark segments whose tokens are all 0 in ``host_mask [B, T]`` as padding; refuse mixed segments."""
         kept_per_segment = torch.segment_reduce(
@@ -346,6 +388,17 @@ class Boundaries:
             padding=[kept == 0 for kept in kept_per_segment],
             cu_seqlens=self._device_forms.get("cu_seqlens"),
         )
+
+
+def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
+    """``position_ids`` ``[B, T]`` (or ``[R, B, T]``), a batch of 1 broadcast to ``B``; other shapes raise."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim not in (2, 3):
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must be [B, T] or [R, B, T] (MRoPE), got {shape} for inputs [B={batch_size}, "
+                         f"T={seq_len}]")
+    if position_ids.shape[-1] != seq_len or position_ids.shape[-2] not in (1, batch_size):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+    return position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
 
 
 def _check_mask_shape(attention_mask: torch.Tensor, batch_size: int, seq_len: int) -> None:

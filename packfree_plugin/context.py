@@ -171,6 +171,11 @@ def _flat(tree: Any) -> list[Any]:
     return [tree]
 
 
+def _restarts_inside(position_ids: Any) -> bool:
+    """Whether 2-D ``position_ids`` start a new sample (a 0) after a row's first token."""
+    return isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and bool((position_ids[:, 1:] == 0).any())
+
+
 def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding."""
     tokens = _tokens(arguments)
@@ -180,6 +185,8 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
     if _cache_holds_tokens(past):
         given = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
+        if _restarts_inside(arguments.get("position_ids")):
+            given.append("position_ids restarting at 0")
         if given:
             raise ValueError(
                 f"a packed batch ({', '.join(given)}) was passed together with a cache that already holds tokens; "
@@ -188,7 +195,16 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
         return None
     attention_mask = arguments.get("attention_mask")
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
-        return None  # a prepared 4-D mask is the caller's own: transformers uses it as is
+        packing = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
+        if _restarts_inside(arguments.get("position_ids")):
+            packing.append("position_ids restarting at 0")
+        if packing:
+            raise ValueError(
+                f"a {attention_mask.ndim}-D attention_mask was passed with a packed batch ({', '.join(packing)}); "
+                "packfree reads boundaries from a 2-D padding mask or none. Drop the mask (the packed boundaries "
+                "already keep samples apart) or pass the [B, T] padding mask"
+            )
+        return None  # an unpacked call with a prepared mask of the caller's own: transformers uses it as is
     boundaries = Boundaries.from_model_inputs(
         batch_size=batch_size,
         seq_len=seq_len,
@@ -269,8 +285,10 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
     if boundaries is not None:
-        given_positionally = "use_cache" in bound and "use_cache" not in kwargs
-        if boundaries.is_packed and not given_positionally and ("use_cache" in signature.parameters or takes_kwargs):
+        if boundaries.is_packed and "use_cache" in bound and "use_cache" not in kwargs:  # passed positionally
+            index = list(signature.parameters).index("use_cache") - 1  # without self
+            args = (*args[:index], False, *args[index + 1:])
+        elif boundaries.is_packed and ("use_cache" in signature.parameters or takes_kwargs):
             kwargs["use_cache"] = False
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries

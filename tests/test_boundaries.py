@@ -126,7 +126,10 @@ def test_device_forms_are_cached() -> None:
         ({"attention_mask": torch.tensor([[1, 1, 0, 1, 1]])}, "gap"),
         ({"attention_mask": torch.tensor([[1, 1, 2, 2, 2]])}, "only 0 and 1"),
         ({"attention_mask": torch.tensor([[1, 1, 1, 1]])}, "2-D padding mask"),
-        ({"position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "attention_mask": torch.tensor([[1, 1, 0, 1, 1]])},
+        ({"position_ids": torch.tensor([[0, 1, 0, 2, 3]]), "attention_mask": torch.tensor([[1, 1, 0, 1, 1]])},
+         "padding inside a sample"),
+        ({"position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "cu_seq_lens_q": torch.tensor([0, 3, 5]),
+          "cu_seq_lens_k": torch.tensor([0, 3, 5]), "attention_mask": torch.tensor([[1, 1, 0, 1, 1]])},
          "contradicts the packed boundaries"),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
@@ -139,3 +142,41 @@ def test_bad_input_is_refused_with_a_clear_message(kwargs: dict, message: str) -
 def test_segment_may_not_cross_rows() -> None:
     with pytest.raises(ValueError, match="crosses a row boundary"):
         Boundaries.from_cu_seqlens(torch.tensor([0, 3, 8]), batch_size=2, seq_len=4)
+
+
+def test_position_ids_that_contradict_cu_seq_lens_are_refused() -> None:
+    positions = torch.tensor([[0, 1, 0, 1, 2, 3]])  # a restart at token 2, where cu_seq_lens continue
+    with pytest.raises(ValueError, match="position_ids contradict the packed boundaries: .* token 2 of row 0"):
+        Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", cu_seq_lens_q=_cu([3, 3]),
+                                     cu_seq_lens_k=_cu([3, 3]), position_ids=positions)
+    with pytest.raises(ValueError, match="position_ids contradict"):
+        Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", seq_idx=_seq_idx([3, 3]),
+                                     position_ids=positions)
+
+
+def test_cu_seq_lens_win_over_position_ids_that_continue_across_samples() -> None:
+    """``0..2, 3..5``: the ids alone would merge the samples; the given boundaries split them."""
+    boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", cu_seq_lens_q=_cu([3, 3]),
+                                              cu_seq_lens_k=_cu([3, 3]), position_ids=torch.arange(6)[None])
+    assert boundaries.lengths == (3, 3)
+
+
+@pytest.mark.parametrize("positions", [torch.arange(6), torch.arange(6)[None, None, None], torch.arange(7)[None]])
+def test_position_ids_of_the_wrong_shape_are_refused_clearly(positions: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="position_ids"):
+        Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", position_ids=positions)
+
+
+@pytest.mark.parametrize(
+    ("positions", "mask", "lengths", "padding"),
+    [
+        ([0, 1, 2, 3, 4], [1, 1, 1, 0, 0], (3, 2), (False, True)),  # right padding, ids running on
+        ([0, 1, 2, 3, 4], [0, 0, 1, 1, 1], (2, 3), (True, False)),  # left padding, ids running on
+        ([0, 1, 2, 0, 1], [1, 1, 0, 1, 1], (2, 1, 2), (False, True, False)),  # two samples, one padding token between
+        ([0, 1, 0, 0, 1], [1, 1, 0, 1, 1], (2, 1, 2), (False, True, False)),
+    ],
+)
+def test_position_ids_with_a_padding_mask(positions, mask, lengths, padding) -> None:
+    boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=5, device="cpu",
+                                              position_ids=torch.tensor([positions]), attention_mask=torch.tensor([mask]))
+    assert boundaries.lengths == lengths and boundaries.padding == padding

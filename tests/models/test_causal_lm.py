@@ -173,6 +173,73 @@ def test_explicit_cache_with_a_packed_batch_is_refused() -> None:
         model(**batch, cache=DynamicCache(config=model.config))
 
 
+def test_filled_cache_with_position_ids_restarting_is_refused() -> None:
+    """A chunk whose ids restart at 0 after a filled cache would continue one cached sequence with several
+    samples: refused, whichever source says the row is packed."""
+    model, _ = pair("llama")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([random_samples([5])[0].tolist()]), cache=cache, use_cache=True)
+        chunk = torch.tensor([random_samples([6], seed=3)[0].tolist()])
+        with pytest.raises(ValueError, match="position_ids restarting at 0"):
+            model(input_ids=chunk, position_ids=torch.tensor([[5, 6, 7, 0, 1, 2]]), cache=cache)
+        model(input_ids=chunk, position_ids=torch.arange(5, 11)[None], cache=cache)  # continuing: fine
+
+
+def test_use_cache_passed_positionally_is_turned_off_for_a_packed_row() -> None:
+    model, _ = pair("llama")
+    samples = random_samples([3, 4])
+    batch = packed_batch(samples, "position_ids")
+    with torch.no_grad():
+        # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache, inputs_embeds,
+        #                          labels, use_cache, ...)
+        out = model(batch["input_ids"], None, batch["position_ids"], None, None, None, True)
+    assert out.past_key_values is None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gpt2"])
+def test_right_padded_batch_with_running_position_ids_equals_stock(model_type: str) -> None:
+    """An ordinary padded batch that also passes ``position_ids = arange(T)``: each row's real tokens equal
+    stock on the same padded batch (the padding is split off, not refused)."""
+    model, stock = pair(model_type)
+    samples = random_samples([4, 7])
+    ids = torch.stack([torch.cat([s, s.new_zeros(7 - len(s))]) for s in samples])
+    mask = (torch.arange(7) < torch.tensor([[4], [7]])).long()
+    positions = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        mine = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        theirs = stock(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert_close(mine[0, :4], theirs[0, :4], atol=1e-9, rtol=0, what="row 0")
+    assert_close(mine[1], theirs[1], atol=1e-9, rtol=0, what="row 1")
+
+
+def test_padding_inside_a_sample_is_refused_never_split() -> None:
+    """transformers' own padding-free tests build ``position_ids = (cumsum(mask) - 1) * mask``: a hole inside a
+    sample, which packfree refuses rather than splitting the sample in two."""
+    model, _ = pair("llama")
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1) * mask
+    with torch.no_grad(), pytest.raises(ValueError, match="padding inside a sample"):
+        model(input_ids=torch.randint(3, 128, (1, 6)), attention_mask=mask, position_ids=positions)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
+def test_a_prepared_mask_with_a_packed_row_is_refused(model_type: str) -> None:
+    """A 4-D mask (even a correct block-diagonal one) beside packed ids used to drop the boundaries, so the
+    hybrids' mixers ran unprotected: refused now, for any mask that is not the 2-D padding mask."""
+    from packfree_plugin.tiny import load_model
+
+    model = load_model(model_type, "packfree", dtype=torch.float64, seed=0) if model_type != "llama" else pair("llama")[0]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    block = positions.new_zeros(7, 7, dtype=torch.bool)
+    block[:3, :3] = block[3:, 3:] = True
+    four_d = (block & torch.ones(7, 7, dtype=torch.bool).tril())[None, None]
+    with torch.no_grad():
+        for mask in (four_d, torch.ones(1, 7, 7, dtype=torch.bool)):
+            with pytest.raises(ValueError, match="attention_mask was passed with a packed batch"):
+                model(input_ids=torch.randint(3, 128, (1, 7)), attention_mask=mask, position_ids=positions)
+
+
 def test_no_dense_mask_is_built_for_a_packed_batch(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a dense attention mask was requested for a packed batch")
