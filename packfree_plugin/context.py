@@ -222,7 +222,31 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
             "a cache object was passed with a packed batch; a cache built from a packed row would mix samples. "
             "Call the model without `cache`/`past_key_values` for packed rows"
         )
+    if boundaries.is_packed:
+        _check_labels(arguments.get("labels"), boundaries)
     return boundaries
+
+
+def _check_labels(labels: Any, boundaries: Boundaries) -> None:
+    """The label contract of a packed row: ``labels [B, T]`` hold -100 at every sample's first token, because the
+    loss predicts token t from token t-1, which for a sample's first token is the previous sample's last."""
+    if not isinstance(labels, torch.Tensor) or labels.ndim != 2 or tuple(labels.shape) != (boundaries.batch_size,
+                                                                                           boundaries.seq_len):
+        return
+    starts = [start for start, pad in zip(boundaries.offsets[:-1], boundaries.padding)
+              if not pad and start % boundaries.seq_len]
+    if not starts:
+        return
+    at_starts = labels.reshape(-1)[torch.tensor(starts, device=labels.device)].tolist()
+    crossing = [start for start, label in zip(starts, at_starts) if label != -100]
+    if crossing:
+        token = crossing[0]
+        raise ValueError(
+            f"labels at the first token of a packed sample (row {token // boundaries.seq_len}, token "
+            f"{token % boundaries.seq_len}) are {at_starts[starts.index(token)]}, not -100: the loss would train the "
+            "previous sample's last token to predict this sample's first. Set -100 there, as "
+            "DataCollatorWithFlattening and TRL's padding-free collator do"
+        )
 
 
 # ------------------------------------------------------------------------------------ model hooks

@@ -240,6 +240,19 @@ def test_a_prepared_mask_with_a_packed_row_is_refused(model_type: str) -> None:
                 model(input_ids=torch.randint(3, 128, (1, 7)), attention_mask=mask, position_ids=positions)
 
 
+def test_labels_must_not_cross_samples() -> None:
+    """Labels copied from input_ids would train each sample's first token from the previous sample: refused;
+    the collator's labels (-100 at every sample start) train exactly."""
+    model, _ = pair("llama")
+    samples = random_samples([4, 5, 3])
+    features = [{"input_ids": s.tolist()} for s in samples]
+    batch = DataCollatorWithFlattening()(features)
+    with torch.no_grad():
+        model(**batch)
+        with pytest.raises(ValueError, match=r"labels at the first token of a packed sample \(row 0, token 4\)"):
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["input_ids"])
+
+
 def test_no_dense_mask_is_built_for_a_packed_batch(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a dense attention mask was requested for a packed batch")
