@@ -10,6 +10,44 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
+class UsageError(Exception):
+    """A bad command line: reported as one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line too, no usage dump
+        raise UsageError(message)
+
+
+def _target(target: str) -> str:
+    """A model directory with a config.json, or a model type of the installed transformers."""
+    from pathlib import Path
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{target} is a directory without config.json (not a saved model)")
+        return target
+    if target in CONFIG_MAPPING_NAMES:
+        return target
+    if "/" in target or target.startswith("."):
+        raise UsageError(f"no such model directory: {target}")
+    raise UsageError(f"{target!r} is neither a model directory nor a model type of transformers "
+                     "(model types are the config's model_type, e.g. llama, qwen3_next, mamba2)")
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--lengths must be comma-separated positive integers, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise UsageError(f"--lengths must be comma-separated positive integers, got {text!r}")
+    return lengths
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
 
@@ -29,7 +67,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     print(f"- CUDA: {'available, ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
     status = 0
-    for target in args.models:
+    for target in [_target(model) for model in args.models]:
         print(f"\n## {target}\n")
         try:
             plans = plan(target)
@@ -46,8 +84,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from ..verify import verify
 
-    lengths = [int(n) for n in args.lengths.split(",")]
-    mine, stock = verify(args.model, lengths=lengths, reference="" if args.no_reference else args.reference)
+    mine, stock = verify(_target(args.model), lengths=_lengths(args.lengths), reference="" if args.no_reference else args.reference)
     print(mine.summary(limit=args.show))
     if stock is not None:
         print(stock.summary(limit=args.show))
@@ -65,8 +102,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="packfree", description="packfree: exact padding-free training")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="packfree", description="packfree: exact padding-free training")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = commands.add_parser("demo", help="train a small hybrid padded and packed on GSM8K; report and plot")
     demo.add_argument("--model-type", default="qwen3_next",
@@ -102,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    """Run one command; usage errors print one line on stderr and return 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except UsageError as error:
+        print(f"packfree: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

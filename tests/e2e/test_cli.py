@@ -123,3 +123,24 @@ def test_verify_reports_a_stock_reference_that_cannot_run(capsys) -> None:
     assert main(["verify", "xlstm"]) == 0
     out = capsys.readouterr().out
     assert "eager: could not run this input (RuntimeError" in out and "OK: no module leaks" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "/no/such/dir"], "no such model directory: /no/such/dir"),
+        (["doctor", "not_a_model_type"], "neither a model directory nor a model type"),
+        (["verify", "llama", "--lengths", "7,x"], "--lengths must be comma-separated positive integers"),
+        (["demo", "--steps", "many"], "invalid int value"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_directory_without_config_is_a_usage_error(tmp_path, capsys) -> None:
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "without config.json" in capsys.readouterr().err
