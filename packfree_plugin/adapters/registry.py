@@ -42,6 +42,7 @@ _CLEARED_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past",
 _DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
                    "packfree_boundaries", "use_cache")
 
+_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 _BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
@@ -282,6 +283,10 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     hidden = arguments.get(adapter.hidden_arg)
     if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
         return original(*args, **kwargs)
+    if not boundaries.is_packed and any(arguments.get(name) is not None for name in _CACHE_PARAMETERS):
+        # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
+        # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     if adapter.native is not None:
         return adapter.native(layer, original, boundaries, arguments)
     return _generic(adapter, layer, original, boundaries, arguments)

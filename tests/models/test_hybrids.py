@@ -183,6 +183,33 @@ def test_unpacked_sample_is_unchanged(model_type: str) -> None:
     compare(model_type, [ours], [theirs], "unpacked")
 
 
+@pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in STOCK_CACHE_BROKEN])  # no stock result
+def test_padded_batch_with_default_cache_equals_stock(model_type: str) -> None:
+    """An ordinary right-padded batch (no packing), default ``use_cache``: the real tokens of every row equal
+    stock on the same batch. It used to be refused ("a cache was passed with a packed batch")."""
+    model, stock = pair(model_type)
+    samples = samples_for([5, 9])
+    ids = torch.stack([torch.cat([s, s.new_zeros(9 - len(s))]) for s in samples])
+    mask = (torch.arange(9) < torch.tensor([[5], [9]])).long()
+    with torch.no_grad():
+        ours, theirs = output(model(input_ids=ids, attention_mask=mask)), output(stock(input_ids=ids, attention_mask=mask))
+    compare(model_type, [ours[0, :5], ours[1]], [theirs[0, :5], theirs[1]], "padded with cache")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2", "falcon_h1", "kimi_linear"])
+def test_left_padded_generate_equals_stock(model_type: str) -> None:
+    model, stock = pair(model_type)
+    prompts = samples_for([4, 7], seed=2)
+    ids = torch.stack([torch.cat([p.new_zeros(7 - len(p)), p]) for p in prompts])
+    mask = (torch.arange(7) >= 7 - torch.tensor([[4], [7]])).long()
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        ours, theirs = model.generate(ids, **kwargs), stock.generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    compare(model_type, ours.scores, theirs.scores, "left-padded generate")
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2", "jamba", "rwkv"])
 def test_generate_with_cache_is_unchanged(model_type: str) -> None:
     model, stock = pair(model_type)
