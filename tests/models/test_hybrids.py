@@ -210,6 +210,23 @@ def test_left_padded_generate_equals_stock(model_type: str) -> None:
     compare(model_type, ours.scores, theirs.scores, "left-padded generate")
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2", "falcon_mamba"])
+def test_a_packed_row_with_a_cache_is_refused(model_type: str) -> None:
+    """An explicit, still empty cache, or generate() from a packed prompt (it makes one): refused. On Mamba2 the
+    empty cache used to count as holding tokens (``has_previous_state`` became a method), so the packing was
+    dropped and the mixers ran unprotected."""
+    from transformers import DynamicCache
+
+    model, _ = pair(model_type)
+    batch = flattened(samples_for([4, 6]), "position_ids")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="cache"):
+            model(**batch, cache=DynamicCache(config=model.config), use_cache=True)
+        with pytest.raises(ValueError, match="cache"):
+            model.generate(batch["input_ids"], position_ids=batch["position_ids"], max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2", "jamba", "rwkv"])
 def test_generate_with_cache_is_unchanged(model_type: str) -> None:
     model, stock = pair(model_type)
