@@ -17,7 +17,8 @@ How boundaries flow through one forward (the README draws the same picture)::
 
 Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
 kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
-outermost hook reads the batch, a graph break at the very start of a compiled forward. A caller who builds
+outermost hook reads the batch, a graph break at the very start of a compiled forward. A nested model
+whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. A caller who builds
 the boundaries ahead and passes ``packfree_boundaries`` gets no break at all (``fullgraph=True``).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
@@ -147,8 +148,10 @@ def _cache_holds_tokens(past: Any) -> bool:
     (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
     if past is None:
         return False
-    from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import Cache, EncoderDecoderCache, LinearAttentionCacheLayerMixin
 
+    if isinstance(past, EncoderDecoderCache):  # a seq2seq decoder: its own self-attention cache is what it continues
+        past = past.self_attention_cache
     if isinstance(past, Cache):
         for layer in past.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -257,8 +260,14 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is not None:
+        tokens = _call_tokens(args, kwargs)
+        if _STACK.items and isinstance(boundaries, Boundaries) and not _fits(boundaries, tokens):
+            # a nested model with inputs of its own (a vision tower, a seq2seq decoder) got its parent's
+            # boundaries through the **kwargs: it gets boundaries from its own inputs, or none
+            kwargs = {name: value for name, value in kwargs.items() if name != "packfree_boundaries"}
+            return _read_batch(module, args, kwargs)
         _push(boundaries)  # first: the post-hook pops even when the check raises
-        _check_given(boundaries, _call_tokens(args, kwargs))
+        _check_given(boundaries, tokens)
         return args, kwargs
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
@@ -273,6 +282,10 @@ def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
     if tokens is None and args:
         tokens = args[0]
     return tokens if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 else None
+
+
+def _fits(boundaries: Boundaries, tokens: torch.Tensor | None) -> bool:
+    return tokens is not None and boundaries.describes(*tokens.shape[:2])
 
 
 def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:

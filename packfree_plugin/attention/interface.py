@@ -173,6 +173,13 @@ def packfree_attention_forward(
         boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
         if boundaries is not None and query.shape[2] == key.shape[2]:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
+    enclosing = current()
+    if enclosing is not None and enclosing.is_packed:
+        raise ValueError(
+            f"{type(module).__name__} attends with a mask of its own (cross-attention, or a mask its model builds "
+            "outside transformers' mask interface) inside a packed forward; packfree cannot keep that attention "
+            "inside each sample. Pass one sample per row for this model"
+        )
     if not in_prepared_forward():
         raise ValueError(
             f"{type(module).__name__} runs packfree attention in a model packfree has not prepared (for example one "

@@ -295,3 +295,14 @@ def test_model_switched_to_packfree_after_loading_is_refused_until_applied() -> 
         logits = model(**packed_batch(samples, "position_ids")).logits[0]  # default use_cache=True
     for piece, expected in zip(logits.split(lengths), alone_logits(stock, samples)):
         assert_close(piece, expected, atol=1e-9, rtol=0, what="model applied after switching")
+
+
+def test_attention_with_a_mask_of_its_own_in_a_packed_forward_is_refused(monkeypatch) -> None:
+    """A layer whose model builds its mask outside the mask interface gets a dense tensor while the forward is
+    packed: packfree cannot keep it inside each sample, so it raises instead of attending across samples."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    model, _ = pair("llama")
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "packfree", sdpa_mask)
+    with torch.no_grad(), pytest.raises(ValueError, match="attends with a mask of its own"):
+        model(**packed_batch(random_samples([3, 4]), "position_ids"))
