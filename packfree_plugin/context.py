@@ -315,6 +315,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     the inputs are refused)."""
     outer = current()
     _push(None)
+    if module.training and torch.is_grad_enabled():
+        _carry_in_layers(module)
     signature, var_keyword = _forward_parameters(type(module))
     takes_kwargs = var_keyword is not None
     bound = signature.bind_partial(module, *args, **kwargs).arguments
@@ -351,6 +353,16 @@ def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
         _wrap_checkpoint(module)
+
+
+def _carry_in_layers(model: nn.Module) -> None:
+    """Wrap the checkpoint function of every checkpointing decoder layer of ``model`` before its first call.
+    (transformers < 5.24 checkpoints a layer's ``__call__``, so the checkpoint function is taken before the
+    layer's own pre-hook could wrap it, and the first step's recomputation would run without boundaries.)"""
+    for layer in model.modules():
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        if checkpoint is not None and hasattr(layer, _HANDLES_ATTR) and not hasattr(checkpoint, _CARRIES_ATTR):
+            _wrap_checkpoint(layer)
 
 
 @torch.compiler.disable  # once per layer, when gradient checkpointing is first seen

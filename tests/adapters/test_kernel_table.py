@@ -15,6 +15,17 @@ from packfree_plugin.adapters.routes import ROUTED_FUNCTIONS, ROUTED_KERNELS
 
 MODELS = Path(transformers.__file__).parent / "models"
 
+NEWER_THAN_OLDEST_RELEASE = {
+    # model folder -> the layer classes packfree adapts in it; these model types are newer than the oldest
+    # supported transformers (packfree_plugin.compat.OLDEST_TRANSFORMERS), which has none of them
+    "lara_mini": {"LaraMiniGatedDeltaNet"},
+    "lfm3": {"Lfm3ShortConv"},
+    "inkling2": {"Inkling2FullAttention", "Inkling2SlidingAttention", "Inkling2ShortConvolution"},
+    "inkling2_loop": {"Inkling2LoopFullAttention", "Inkling2LoopSlidingAttention", "Inkling2LoopShortConvolution"},
+}
+ABSENT_HERE = {folder for folder in NEWER_THAN_OLDEST_RELEASE if not (MODELS / folder).is_dir()}
+"""Model folders this (older) release lacks: their classes and routed functions are not expected here."""
+
 
 def _defining_modules() -> dict[str, str]:
     """Layer class name -> the modeling module that defines it, for every class the registry names."""
@@ -29,13 +40,14 @@ def _defining_modules() -> dict[str, str]:
 
 def test_every_adapted_layer_class_exists() -> None:
     defined = _defining_modules()
-    missing = sorted(set(registry.REGISTRY) - set(defined))
+    absent = {name for folder in ABSENT_HERE for name in NEWER_THAN_OLDEST_RELEASE[folder]}
+    missing = sorted(set(registry.REGISTRY) - set(defined) - absent)
     assert not missing, f"layer classes packfree adapts but transformers {transformers.__version__} lacks: {missing}"
     for name, module in defined.items():
         assert isinstance(getattr(importlib.import_module(module), name, None), type), f"{module}.{name}"
 
 
-@pytest.mark.parametrize("module_name", sorted(ROUTED_FUNCTIONS))
+@pytest.mark.parametrize("module_name", sorted(m for m in ROUTED_FUNCTIONS if m.split(".")[0] not in ABSENT_HERE))
 def test_every_routed_function_exists(module_name: str) -> None:
     module = importlib.import_module(f"transformers.models.{module_name}")
     for function, kernel in ROUTED_FUNCTIONS[module_name].items():
@@ -50,7 +62,7 @@ def test_every_native_adapter_has_its_module_in_the_table() -> None:
 
     defined = _defining_modules()
     for name, adapter in registry.REGISTRY.items():
-        if adapter.native is native_forward:
+        if adapter.native is native_forward and name in defined:
             assert defined[name].removeprefix("transformers.models.") in ROUTED_FUNCTIONS, name
 
 
