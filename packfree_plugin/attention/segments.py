@@ -1,4 +1,4 @@
-"""Portable packed attention: one fused SDPA call per segment, on any device (the CPU path).
+"""Portable packed attention: one fused SDPA call per segment (per group of equal short ones), on any device.
 
 No ``[T, T]`` mask is ever built: each segment attends to itself through
 ``torch.nn.functional.scaled_dot_product_attention`` (whose CPU kernel keeps O(L) extra memory), so the
@@ -21,10 +21,13 @@ import torch.nn.functional as F
 from ..boundaries import Boundaries
 from .reference import AttentionOptions, eager_attention, visible_keys
 
-__all__ = ["segment_attention", "QUERY_BLOCK"]
+__all__ = ["segment_attention", "BATCHED_UP_TO", "QUERY_BLOCK"]
 
 QUERY_BLOCK = 256
 """Queries per block when a window, softcap or sinks force blockwise computation."""
+BATCHED_UP_TO = 64
+"""Segments up to this length that share a length run as one batched call (many short samples would
+otherwise cost one call each)."""
 
 
 def segment_attention(
@@ -44,27 +47,41 @@ def segment_attention(
     row_lengths: list[list[tuple[int, bool]]] = [[] for _ in range(boundaries.batch_size)]
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
         row_lengths[start // boundaries.seq_len].append((length, padding))
-    rows = []
     # torch.split (not slicing) so that backward assembles each gradient with one cat instead of
     # one full-size zero tensor per segment; 4-D [1, H, L, D] pieces so CPU SDPA takes its flash kernel.
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    rows: list[list[int]] = []  # indices into pieces, per row
+    outputs: list[torch.Tensor | None] = []
+    short: dict[int, list[int]] = {}  # length -> pieces of that length, run together
     for q_row, k_row, v_row, segments in zip(query.split(1), key.split(1), value.split(1), row_lengths):
         lengths = [length for length, _ in segments]
-        parts = []
+        rows.append([])
         for q, k, v, (length, padding) in zip(q_row.split(lengths, dim=2), k_row.split(lengths, dim=2),
                                               v_row.split(lengths, dim=2), segments):
-            if padding:
-                parts.append(query.new_zeros(1, query.shape[1], length, value.shape[-1]))
-            else:
-                parts.append(_one_segment(q, k, v, options, training=training, query_block=query_block))
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows).transpose(1, 2).contiguous()
+            rows[-1].append(len(pieces))
+            pieces.append((q, k, v))
+            outputs.append(query.new_zeros(1, query.shape[1], length, value.shape[-1]) if padding else None)
+            if not padding and length <= BATCHED_UP_TO:
+                short.setdefault(length, []).append(len(pieces) - 1)
+    for members in short.values():
+        if len(members) == 1:
+            continue
+        batched = _one_segment(*(torch.cat([pieces[i][part] for i in members]) for part in range(3)), options,
+                               training=training, query_block=query_block)
+        for index, out in zip(members, batched.split(1)):
+            outputs[index] = out
+    for index, out in enumerate(outputs):
+        if out is None:
+            outputs[index] = _one_segment(*pieces[index], options, training=training, query_block=query_block)
+    return torch.cat([torch.cat([outputs[i] for i in row], dim=2) for row in rows]).transpose(1, 2).contiguous()
 
 
 def _one_segment(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool,
     query_block: int,
 ) -> torch.Tensor:
-    """Self-attention inside one segment: ``[1, H, L, D]`` x ``[1, Hkv, L, D]`` -> ``[1, H, L, Dv]``."""
+    """Self-attention inside one segment, or ``n`` segments of one length: ``[n, H, L, D]`` x ``[n, Hkv, L, D]`` ->
+    ``[n, H, L, Dv]``."""
     length = query.shape[2]
     window_binds = options.window is not None and options.window < length
     if not options.needs_eager and not window_binds:
