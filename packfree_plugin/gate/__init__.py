@@ -2,13 +2,13 @@
 
 - :mod:`.shrink`: a tiny random config of any config / model type, every distinct layer kind kept.
 - :mod:`.proof`: the isolation proof, each packed sample against that sample alone on stock transformers.
-- :mod:`.admit`: :func:`admit`, called at load; verified classes pass, others are proved or refused.
+- :mod:`.admission`: :func:`admit`, called at load; verified classes pass, others are proved or refused.
 - :mod:`.sweep`: proves every model type of the installed transformers; writes ``verified.json`` and the
   support matrix (``python -m packfree_plugin.gate.sweep``).
 """
 
 from __future__ import annotations
 
-from .admit import TRUST_ENV, admit, bypassed, is_verified
+from .admission import TRUST_ENV, admit, bypassed, is_verified
 
 __all__ = ["TRUST_ENV", "admit", "bypassed", "is_verified"]

@@ -58,11 +58,13 @@ _KEEP_DIMS = re.compile(r"(vocab|position|max_|window|chunk|block|patch|image|ke
 def _shrink_layers(values: dict[str, Any], count: int) -> int:
     """Keep as few of ``count`` layers as cover every per-layer setting; rewrite each per-layer list, layer-index
     list and layer-keyed dict of ``values`` accordingly; return how many layers are kept."""
-    per_layer = {name: value for name, value in values.items()
-                 if isinstance(value, (list, tuple)) and len(value) == count and count > 1 and name != "architectures"}
     index_lists = {name: value for name, value in values.items()
-                   if "layer" in name and name not in per_layer and isinstance(value, (list, tuple)) and value
-                   and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)}
+                   if "layer" in name and isinstance(value, (list, tuple)) and value
+                   and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)
+                   and list(value) == sorted(set(value))}
+    per_layer = {name: value for name, value in values.items()
+                 if isinstance(value, (list, tuple)) and len(value) == count and count > 1
+                 and name not in index_lists and name != "architectures"}
     keyed = {name: value for name, value in values.items()
              if "layer" in name and isinstance(value, dict) and value
              and all(str(k).isdigit() and int(k) < count for k in value)}
@@ -104,6 +106,15 @@ def _shrink_values(values: dict[str, Any]) -> None:
     for name in _HEAD_DIM_KEYS[:1] + ("num_key_value_heads",):  # a None default some models cannot build from
         if name in values and values[name] is None and heads is not None:
             values[name] = _HIDDEN // _HEADS if name == "head_dim" else _HEADS
+    if any(isinstance(values.get(k), int) for k in _EXPERT_KEYS):  # experts but a None top-k default
+        values.update({k: 2 for k in _TOP_K_KEYS if k in values and values[k] is None})
+    rope = values.get("qk_rope_head_dim")
+    if isinstance(rope, int) and rope > _MLA["qk_rope_head_dim"]:  # multi-head latent attention: small ranks
+        if values.get("head_dim") == rope:  # DeepSeek-V2/V3: head_dim is the rotary part
+            values["head_dim"] = _MLA["qk_rope_head_dim"]
+        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int)})
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
     for name, value in list(values.items()):
         if not isinstance(value, int) or isinstance(value, bool):
             continue
@@ -137,12 +148,8 @@ def _shrink_values(values: dict[str, Any]) -> None:
             values[name] = _HEAD_DIM * 2
     if isinstance(values.get("rotary_dim"), int) and values["rotary_dim"] > _HEAD_DIM:
         values["rotary_dim"] = _HEAD_DIM
-    if isinstance(values.get("qk_rope_head_dim"), int):  # multi-head latent attention: consistent small ranks
-        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int)})
-        if "head_dim" in values:
-            values["head_dim"] = _MLA["qk_rope_head_dim"]
-        if "qk_head_dim" in values:
-            values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
+    if all(isinstance(values.get(k), int) for k in ("expand", "num_heads", "head_dim", "hidden_size")):
+        values["num_heads"] = values["hidden_size"] * values["expand"] // values["head_dim"]  # Mamba2's heads
     for name in _WINDOW_KEYS:  # per-layer windows (e.g. longformer's attention_window)
         value = values.get(name)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
