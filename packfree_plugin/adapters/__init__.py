@@ -28,6 +28,7 @@ def apply(model: nn.Module) -> nn.Module:
     like a sequence mixer but has no adapter. Called automatically for models loaded with
     ``attn_implementation="packfree"``.
     """
+    from ..gate import admit
     from ..registration import ATTN_IMPLEMENTATION, register
 
     register()
@@ -36,6 +37,7 @@ def apply(model: nn.Module) -> nn.Module:
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     check_coverage(model)
+    admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
     apply_model_hook(model, layer_hooks=bool(mixers))
     return model
