@@ -1,0 +1,75 @@
+"""The committed sweep results (``gate/verified.json``, the support matrix, the README section) must match the
+installed transformers: the same targets, and a sample of them re-proved gives the recorded class."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from packfree_plugin.gate.admission import VERIFIED_FILE, verified_classes
+from packfree_plugin.gate.sweep import (MATRIX_FILE, README_MARKERS, Target, load_results, render_matrix,
+                                        run_target, targets)
+
+VERSION = transformers.__version__
+REGENERATE = "stale: regenerate with `python -m packfree_plugin.gate.sweep` (nox -s sweep)"
+SAMPLE_EXACT = 10
+SAMPLE_NOT_EXACT = 6
+
+
+def _recorded():
+    results = load_results(VERSION)
+    assert results, f"no sweep results recorded for transformers {VERSION}; {REGENERATE}"
+    return results
+
+
+def _sample(results, count: int):
+    """A stable sample: the ``count`` results whose (version, class) hash lowest."""
+    key = lambda r: hashlib.sha256(f"{VERSION}:{r.model_type}:{r.cls}".encode()).hexdigest()  # noqa: E731
+    return sorted(results, key=key)[:count]
+
+
+def test_recorded_targets_are_the_installed_transformers_targets() -> None:
+    recorded = {(r.group, r.model_type, r.cls) for r in _recorded()}
+    installed = {(t.group, t.model_type, t.cls) for t in targets()}
+    assert recorded == installed, (f"missing: {sorted(installed - recorded)[:10]}, "
+                                   f"gone: {sorted(recorded - installed)[:10]}; {REGENERATE}")
+
+
+def test_the_verified_list_is_exactly_the_exact_results() -> None:
+    exact = {(r.model_type, r.cls) for r in _recorded() if r.status == "exact"}
+    assert verified_classes() == exact
+    data = json.loads(VERIFIED_FILE.read_text())[VERSION]
+    assert sorted(data["exact"]) == sorted({model_type for model_type, _ in exact})
+
+
+def test_every_recorded_non_exact_target_is_refused_by_the_gate() -> None:
+    admitted = [r.cls for r in _recorded() if r.status in ("wrong", "internal", "refused") and not r.gate_refuses]
+    assert admitted == []
+
+
+def test_the_matrix_file_and_the_readme_section_are_generated_from_the_results() -> None:
+    matrix = render_matrix(VERSION, sorted(_recorded(), key=lambda r: (r.group, r.model_type, r.cls)))
+    assert MATRIX_FILE.read_text() == matrix, REGENERATE
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start, end = README_MARKERS
+    assert readme.split(start, 1)[1].split(end, 1)[0] == "\n" + matrix, REGENERATE
+
+
+@pytest.mark.parametrize("recorded", _sample([r for r in load_results(VERSION) if r.status == "exact"],
+                                             SAMPLE_EXACT), ids=lambda r: r.cls)
+def test_a_sampled_exact_class_is_still_exact(recorded) -> None:
+    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls))
+    assert result.status == "exact", f"{recorded.cls}: {result.status} {result.detail}; {REGENERATE}"
+
+
+@pytest.mark.parametrize("recorded", _sample([r for r in load_results(VERSION) if r.status in ("wrong", "internal")],
+                                             SAMPLE_NOT_EXACT), ids=lambda r: r.cls)
+def test_a_sampled_wrong_class_is_still_refused_by_the_gate(recorded) -> None:
+    """Re-run under stock packfree: still not exact (else the verified list is stale), and the gate refuses it."""
+    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls))
+    assert result.status == recorded.status, f"{recorded.cls}: now {result.status}; {REGENERATE}"
+    assert result.gate_refuses
