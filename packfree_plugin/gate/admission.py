@@ -3,7 +3,9 @@
 :func:`admit` is called by :func:`packfree_plugin.apply` for every model prepared with packfree:
 
 - a model class of transformers that the sweep (:mod:`.sweep`) proved exact for the installed transformers
-  version (:data:`VERIFIED_FILE`) passes at once;
+  version (:data:`VERIFIED_FILE`) passes at once, provided its config's switches (:func:`switches`: the
+  boolean and string settings, e.g. Falcon's ``alibi`` or BERT's ``position_embedding_type``) are those the
+  sweep proved;
 - any other architecture (a newer transformers, ``trust_remote_code``, a type the sweep found wrong) gets
   the isolation proof (:func:`.proof.prove`) on a tiny random copy of its own config class, every distinct
   layer kind kept (:func:`.shrink.shrink_config`); if the copy is not exact, or cannot be built, the load
@@ -28,7 +30,8 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified", "prove_tiny_copy", "verified_classes"]
+__all__ = ["TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified", "prove_tiny_copy", "switches",
+           "verified_classes"]
 
 TRUST_ENV = "PACKFREE_TRUST_UNVERIFIED"
 VERIFIED_FILE = Path(__file__).with_name("verified.json")
@@ -56,24 +59,45 @@ def bypassed() -> Iterator[None]:
         _bypass.depth -= 1
 
 
+_IGNORED_SWITCHES = frozenset({"model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
+                               "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+                               "tie_word_embeddings", "problem_type", "tokenizer_class", "is_encoder_decoder"})
+
+
+def switches(config) -> dict[str, bool | str]:
+    """The config's top-level boolean and string settings that can change what a layer computes (activation
+    names and output/caching flags left out)."""
+    return {name: value for name, value in config.to_dict().items()
+            if isinstance(value, (bool, str)) and name not in _IGNORED_SWITCHES and not name.startswith("_")
+            and "act" not in name}
+
+
 @cache
+def _verified(version: str) -> dict:
+    return json.loads(VERIFIED_FILE.read_text()).get(version, {}) if VERIFIED_FILE.exists() else {}
+
+
 def verified_classes(version: str | None = None) -> frozenset[tuple[str, str]]:
     """``(model_type, class name)`` pairs the sweep proved exact under transformers ``version`` (default: installed)."""
     import transformers
 
-    version = version or transformers.__version__
-    if not VERIFIED_FILE.exists():
-        return frozenset()
-    exact = json.loads(VERIFIED_FILE.read_text()).get(version, {}).get("exact", {})
+    exact = _verified(version or transformers.__version__).get("exact", {})
     return frozenset((model_type, name) for model_type, names in exact.items() for name in names)
 
 
 def is_verified(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers class the sweep proved exact for the installed transformers."""
+    """Whether ``model`` is a transformers class the sweep proved exact for the installed transformers, with
+    the switches the sweep proved it with."""
+    import transformers
+
     cls = type(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return (cls.__module__.startswith("transformers.models.")
-            and (model_type, cls.__name__) in verified_classes())
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not cls.__module__.startswith("transformers.models.") or (model_type, cls.__name__) not in verified_classes():
+        return False
+    proved = _verified(transformers.__version__).get("switches", {}).get(model_type, {})
+    mine = switches(config)
+    return all(mine.get(name, value) == value for name, value in proved.items())
 
 
 def _inside_another_model(model: nn.Module) -> bool:
@@ -94,10 +118,13 @@ def prove_tiny_copy(model: nn.Module):
     """The isolation proof on a tiny random copy of ``model``'s class and config (:class:`.proof.Proof`).
 
     Raises whatever building the copy or running it on stock raises (then nothing can be proved)."""
+    import torch
+
     from .proof import build_pair, prove
     from .shrink import shrink_config
 
-    with bypassed():
+    # from_pretrained builds the model under a meta-device context; the tiny copy needs real weights
+    with bypassed(), torch.device("cpu"):
         packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
         return prove(packed, stock, stock_name=implementation)
 

@@ -113,6 +113,8 @@ def build_pair(cls: type, config, *, seed: int = 0) -> tuple[nn.Module, nn.Modul
     model = _build(cls, config, "packfree")
     stock, implementation = build_stock(cls, config)
     stock.load_state_dict(model.state_dict())
+    if not all(torch.isfinite(p).all() for p in model.parameters()):  # e.g. built with initialisation off
+        raise RuntimeError(f"the tiny {cls.__name__} has non-finite weights")
     return model, stock, implementation
 
 

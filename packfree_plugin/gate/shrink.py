@@ -167,7 +167,7 @@ def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
 
     def new_id(name: str, old: int) -> int:
         if old not in moved:
-            if name in fixed:
+            if name in fixed and fixed[name] not in moved.values():
                 moved[old] = fixed[name]
             else:
                 top.append(vocab - 1 - len(top))

@@ -57,6 +57,8 @@ class Result:
     status: str  # exact | wrong | refused | internal | unbuildable
     detail: str = ""
     gate_refuses: bool | None = None  # for non-exact targets: whether admit() refuses the model at load
+    config_type: str = ""  # model_type of the config the class was built from (a composite type's text config)
+    switches: dict | None = None  # for exact targets: the config switches proved (admission.switches)
 
 
 def _names(value: str | Sequence[str]) -> list[str]:
@@ -104,7 +106,7 @@ def run_target(target: Target) -> Result:
     """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate."""
     import transformers
 
-    from .admission import bypassed, prove_tiny_copy
+    from .admission import bypassed, prove_tiny_copy, switches
     from .proof import alone_outputs, build_pair, build_stock, prove, sample_tokens
     from .shrink import tiny_config_for
 
@@ -114,6 +116,7 @@ def run_target(target: Target) -> Result:
         config = tiny_config_for(target.model_type)
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
             config = config.get_text_config()  # a text model of a composite (multimodal) type
+        result.config_type = config.model_type
     except Exception as error:  # noqa: BLE001
         result.detail = f"tiny config: {_error(error)}"
         return result
@@ -138,6 +141,7 @@ def run_target(target: Target) -> Result:
             return result
     if proof.exact:
         result.status = "exact"
+        result.switches = switches(config)
     elif proof.error is not None:
         result.status = "refused" if proof.error.startswith(("ValueError", "NotImplementedError")) else "internal"
         result.detail = f"at call ({proof.mode}): {proof.error}"[:300]
@@ -282,11 +286,14 @@ def write_outputs(version: str, results: Sequence[Result], readme: Path | None) 
     """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`, the matrix file and the README section."""
     data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
     exact: dict[str, list[str]] = {}
+    proved: dict[str, dict] = {}
     for r in sorted(results, key=lambda r: (r.model_type, r.cls)):
-        if r.status == "exact":
-            exact.setdefault(r.model_type, []).append(r.cls)
+        if r.status == "exact":  # keyed as the gate sees a model: its config's model_type and its class
+            exact.setdefault(r.config_type, []).append(r.cls)
+            proved.setdefault(r.config_type, r.switches or {})
     ordered = sorted(results, key=lambda r: (r.group, r.model_type, r.cls))
-    data[version] = {"exact": exact, "results": [asdict(r) for r in ordered]}
+    data[version] = {"exact": {k: sorted(set(v)) for k, v in sorted(exact.items())}, "switches": proved,
+                     "results": [{k: v for k, v in asdict(r).items() if k != "switches"} for r in ordered]}
     VERIFIED_FILE.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
     matrix = render_matrix(version, ordered)
     MATRIX_FILE.write_text(matrix)
@@ -315,7 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = targets()
     previous: list[Result] = []
     if args.only:
+        recorded = json.loads(VERIFIED_FILE.read_text()).get(transformers.__version__, {}).get("switches", {})
         previous = [r for r in load_results(transformers.__version__) if r.model_type not in args.only]
+        for r in previous:
+            r.switches = recorded.get(r.config_type) if r.status == "exact" else None
         chosen = [t for t in chosen if t.model_type in args.only]
     results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
     write_outputs(transformers.__version__, results, Path(args.readme))

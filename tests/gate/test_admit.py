@@ -55,6 +55,15 @@ def test_a_verified_class_loads_without_a_proof(proofs) -> None:
     assert is_verified(model) and proofs == []
 
 
+def test_a_verified_class_with_an_unproved_switch_is_proved(proofs) -> None:
+    """The sweep proved Qwen2 without its sliding window (``use_sliding_window=False`` by default); a config
+    that turns it on is proved at load like an unverified class."""
+    config = tiny_config_for("qwen2")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 0
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree")
+    assert not is_verified(model) and proofs == ["Qwen2ForCausalLM"]
+
+
 @pytest.mark.parametrize(("auto", "model_type", "names"), [
     (AutoModelForMaskedLM, "roberta", ("'roberta'", "position_embeddings")),  # wrong without crossing samples
     (AutoModelForCausalLM, "bloom", ("'bloom'", "Boundaries")),  # an internal error on a packed row (ALiBi)

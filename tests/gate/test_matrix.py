@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 import transformers
 
-from packfree_plugin.gate.admission import VERIFIED_FILE, verified_classes
+from packfree_plugin.gate.admission import VERIFIED_FILE, switches, verified_classes
+from packfree_plugin.gate.shrink import tiny_config_for
 from packfree_plugin.gate.sweep import (MATRIX_FILE, README_MARKERS, Target, load_results, render_matrix,
                                         run_target, targets)
 
 VERSION = transformers.__version__
 REGENERATE = "stale: regenerate with `python -m packfree_plugin.gate.sweep` (nox -s sweep)"
-SAMPLE_EXACT = 10
-SAMPLE_NOT_EXACT = 6
+SAMPLE = os.environ.get("PACKFREE_SWEEP_SAMPLE", "40")
+"""How many recorded-exact classes are re-proved (``all``: every target; half as many non-exact ones)."""
+SAMPLE_EXACT = 10**6 if SAMPLE == "all" else int(SAMPLE)
+SAMPLE_NOT_EXACT = max(1, SAMPLE_EXACT // 2)
 
 
 def _recorded():
@@ -40,10 +44,21 @@ def test_recorded_targets_are_the_installed_transformers_targets() -> None:
 
 
 def test_the_verified_list_is_exactly_the_exact_results() -> None:
-    exact = {(r.model_type, r.cls) for r in _recorded() if r.status == "exact"}
+    exact = {(r.config_type, r.cls) for r in _recorded() if r.status == "exact"}
     assert verified_classes() == exact
     data = json.loads(VERIFIED_FILE.read_text())[VERSION]
-    assert sorted(data["exact"]) == sorted({model_type for model_type, _ in exact})
+    assert sorted(data["switches"]) == sorted({config_type for config_type, _ in exact})
+
+
+def test_the_recorded_switches_are_those_of_the_tiny_configs_now() -> None:
+    """A changed default config (a new switch, another default) makes the recorded switches stale."""
+    data = json.loads(VERIFIED_FILE.read_text())[VERSION]["switches"]
+    for r in _recorded():
+        if r.status == "exact" and r.group != "backbone":
+            config = tiny_config_for(r.model_type)
+            if config.model_type != r.config_type:
+                config = config.get_text_config()
+            assert switches(config) == data[r.config_type], f"{r.model_type}; {REGENERATE}"
 
 
 def test_every_recorded_non_exact_target_is_refused_by_the_gate() -> None:

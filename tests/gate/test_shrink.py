@@ -12,10 +12,16 @@ HYBRID_DEFAULTS = ["gemma3_text", "qwen3_next", "llama4_text", "gpt_oss", "coher
                    "qwen2_moe", "deepseek_v3", "gemma2"]
 
 
+def _is_index_list(name: str, value) -> bool:
+    return "layer" in name and all(isinstance(i, int) for i in value) and list(value) == sorted(set(value))
+
+
 def _per_layer_lists(config) -> dict[str, list]:
+    """Lists with one entry per layer (``layer_types``, ...), not lists of layer indices (``moe_layers``)."""
     count = config.num_hidden_layers
     return {name: list(value) for name, value in config.to_dict().items()
-            if isinstance(value, (list, tuple)) and len(value) == count and count > 1}
+            if isinstance(value, (list, tuple)) and len(value) == count and count > 1
+            and not _is_index_list(name, value)}
 
 
 @pytest.mark.parametrize("model_type", HYBRID_DEFAULTS)
@@ -36,7 +42,7 @@ def test_periodic_patterns_and_windows_shrink_to_short_samples() -> None:
     assert set(tiny.layer_types) == {"sliding_attention", "full_attention"}
     assert tiny.sliding_window == WINDOW
     modern = shrink_config(AutoConfig.for_model("modernbert"))
-    assert modern.global_attn_every_n_layers == 2 and modern.local_attention == WINDOW
+    assert modern.layer_types == ["full_attention", "sliding_attention"] and modern.local_attention == WINDOW
 
 
 def test_a_users_large_config_shrinks_with_its_special_ids_inside_the_vocabulary() -> None:
@@ -54,12 +60,14 @@ def test_a_users_large_config_shrinks_with_its_special_ids_inside_the_vocabulary
     assert user.hidden_size == 4096  # the user's config is left as it was
 
 
-def test_layer_index_lists_follow_the_kept_layers() -> None:
-    """Qwen2-MoE's ``mlp_only_layers`` (dense layers among MoE ones) keeps one dense and one MoE layer."""
-    full = AutoConfig.for_model("qwen2_moe", num_hidden_layers=8, mlp_only_layers=[3, 6])
-    tiny = shrink_config(full)
-    assert tiny.mlp_only_layers and len(tiny.mlp_only_layers) < tiny.num_hidden_layers
-    assert all(0 <= i < tiny.num_hidden_layers for i in tiny.mlp_only_layers)
+@pytest.mark.parametrize(("model_type", "name", "indices"), [("qwen2_moe", "mlp_only_layers", [3, 6]),
+                                                             ("llama4_text", "moe_layers", [1, 3, 5, 7])])
+def test_layer_index_lists_follow_the_kept_layers(model_type: str, name: str, indices: list[int]) -> None:
+    """A list of layer indices (dense layers among MoE ones, MoE among dense) keeps a layer in it and one out."""
+    tiny = shrink_config(AutoConfig.for_model(model_type, num_hidden_layers=8, **{name: indices}))
+    kept = getattr(tiny, name)
+    assert kept and len(kept) < tiny.num_hidden_layers
+    assert all(0 <= i < tiny.num_hidden_layers for i in kept)
 
 
 def test_catalogue_types_use_their_hand_written_config() -> None:
