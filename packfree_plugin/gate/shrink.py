@@ -39,7 +39,7 @@ _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_h
               "n_heads", "num_decoder_attention_heads")
 _KV_HEAD_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
                  "num_kv_heads_per_layer")
-_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "attention_head_size")
+_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "attention_head_size", "d_head")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
                 "n_experts", "num_moe_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "num_selected_experts",
