@@ -186,7 +186,8 @@ def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
 def shrink_config(config):
     """A fresh tiny config of ``config``'s class that keeps each of its distinct layer kinds (see the module doc)."""
     values = config.to_dict()
-    for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype"):
+    for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
+                 "quantization_config"):
         values.pop(name, None)
     _shrink_values(values)
     values.pop("model_type", None)
