@@ -88,3 +88,15 @@ def test_a_sampled_wrong_class_is_still_refused_by_the_gate(recorded) -> None:
     result = run_target(Target(recorded.group, recorded.model_type, recorded.cls))
     assert result.status == recorded.status, f"{recorded.cls}: now {result.status}; {REGENERATE}"
     assert result.gate_refuses
+
+
+def test_the_sweep_runs_targets_in_workers_and_stops_one_past_its_time_limit() -> None:
+    """Two targets in one worker process give their verdicts; a time limit shorter than a worker's start
+    records the target as not buildable (over the limit) instead of waiting for it."""
+    from packfree_plugin.gate.sweep import sweep
+
+    chosen = [Target("causal", "llama", "LlamaForCausalLM"), Target("sequence", "llama", "LlamaForSequenceClassification")]
+    verdicts = {r.cls: r.status for r in sweep(chosen, progress=False)}
+    assert verdicts == {"LlamaForCausalLM": "exact", "LlamaForSequenceClassification": "wrong"}
+    (late,) = sweep(chosen[:1], time_limit=0.05, progress=False)
+    assert late.status == "unbuildable" and "time limit" in late.detail
