@@ -68,10 +68,13 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
     keyed = {name: value for name, value in values.items()
              if "layer" in name and isinstance(value, dict) and value
              and all(str(k).isdigit() and int(k) < count for k in value)}
+    shared = values.get("num_kv_shared_layers")  # the last layers reuse an earlier layer's keys and values
+    first_shared = count - shared if isinstance(shared, int) and 0 < shared < count else count
     seen: set[tuple[str, str]] = set()
     kept: list[int] = []
     for layer in range(count):
-        features = {(name, repr(value[layer])) for name, value in per_layer.items()}
+        features = {(name, repr(value[layer]) + ("/shared" if layer >= first_shared else ""))
+                    for name, value in per_layer.items()}
         features |= {(name, repr(layer in value)) for name, value in index_lists.items()}
         features |= {(name, repr(value.get(str(layer), value.get(f"{layer:02d}", value.get(layer)))))
                      for name, value in keyed.items()}
@@ -82,6 +85,8 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
     kept = sorted(kept + extra[:max(0, min(2, count) - len(kept))])[:_MAX_LAYERS]
     for name, value in per_layer.items():
         values[name] = type(value)(value[i] for i in kept)
+    if first_shared < count:
+        values["num_kv_shared_layers"] = sum(layer >= first_shared for layer in kept)
     for name, value in index_lists.items():
         values[name] = type(value)(kept.index(i) for i in value if i in kept)
     for name, value in keyed.items():
