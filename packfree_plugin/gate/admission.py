@@ -123,9 +123,9 @@ def prove_tiny_copy(model: nn.Module):
     from .proof import build_pair, prove
     from .shrink import shrink_config
 
-    # from_pretrained builds the model under a meta-device context; the tiny copy needs real weights
-    with bypassed(), torch.device("cpu"):
-        packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
+    with bypassed():
+        with torch.device("cpu"):  # from_pretrained builds under a meta-device context; the copy needs weights
+            packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
         return prove(packed, stock, stock_name=implementation)
 
 

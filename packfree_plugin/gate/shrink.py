@@ -5,8 +5,9 @@ config of the same class with hidden size <= 64, a small vocabulary and as few l
 distinct per-layer setting: the layers kept are chosen so that each value of each per-layer list
 (``layer_types``, ``mlp_layer_types``, ``layers_block_type``, ...) and each membership of a layer-index list
 (``attn_layer_indices``, ``mlp_only_layers``, ...) appears at least once. Periodic patterns
-(``sliding_window_pattern``, ``global_attn_every_n_layers``, ...) are shortened to period 2; windows and
-chunks to 4 tokens, so that short test samples still cross them. Sub-configs (``text_config``,
+(``sliding_window_pattern``, ``global_attn_every_n_layers``, ...) are shortened to period 2; windows,
+attention chunks and the chunks / blocks of chunked scans to 4 tokens, so that short test samples still
+cross them. Sub-configs (``text_config``,
 ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
 
 :func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
@@ -31,6 +32,10 @@ _FFN = 64
 _MAX_LAYERS = 6
 
 _MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
+_CHUNK_KEYS = ("chunk_size", "mamba_chunk_size", "block_size")
+"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks."""
+_STATE = 16
+_SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"))
 _HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
                 "word_embed_proj_dim", "hidden_dim", "emb_dim")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
@@ -139,8 +144,10 @@ def _shrink_values(values: dict[str, Any]) -> None:
             values[name] = 1
         elif name in ("n_group", "num_expert_group", "topk_group", "n_groups_routed"):
             values[name] = 1
-        elif name in _WINDOW_KEYS and value > WINDOW:
+        elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS) and value > WINDOW:
             values[name] = WINDOW
+        elif name.endswith(("d_state", "state_size")) and value > _STATE:
+            values[name] = _STATE
         elif name == "vocab_size" and value > TINY_VOCAB:
             values[name] = TINY_VOCAB
         elif _PERIOD.search(name) and value > 2 and "head" not in name:
@@ -153,8 +160,9 @@ def _shrink_values(values: dict[str, Any]) -> None:
             values[name] = _HEAD_DIM * 2
     if isinstance(values.get("rotary_dim"), int) and values["rotary_dim"] > _HEAD_DIM:
         values["rotary_dim"] = _HEAD_DIM
-    if all(isinstance(values.get(k), int) for k in ("expand", "num_heads", "head_dim", "hidden_size")):
-        values["num_heads"] = values["hidden_size"] * values["expand"] // values["head_dim"]  # Mamba2's heads
+    for heads, dim, expand in _SSM_HEADS:  # Mamba2 heads: heads * head_dim == hidden * expand
+        if all(isinstance(values.get(k), int) for k in (heads, dim, expand, "hidden_size")):
+            values[heads] = values["hidden_size"] * values[expand] // values[dim]
     for name in _WINDOW_KEYS:  # per-layer windows (e.g. longformer's attention_window)
         value = values.get(name)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
