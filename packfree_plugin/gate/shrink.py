@@ -35,7 +35,8 @@ _MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=
 _CHUNK_KEYS = ("chunk_size", "mamba_chunk_size", "block_size")
 """Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks."""
 _STATE = 16
-_SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"))
+_SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+              ("n_mamba_heads", "mamba_headdim", "mamba_expand"))
 _HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
                 "word_embed_proj_dim", "hidden_dim", "emb_dim")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
@@ -163,6 +164,8 @@ def _shrink_values(values: dict[str, Any]) -> None:
     for heads, dim, expand in _SSM_HEADS:  # Mamba2 heads: heads * head_dim == hidden * expand
         if all(isinstance(values.get(k), int) for k in (heads, dim, expand, "hidden_size")):
             values[heads] = values["hidden_size"] * values[expand] // values[dim]
+    if all(isinstance(values.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
+        values["mamba_d_ssm"] = values["mamba_n_heads"] * values["mamba_d_head"]  # Falcon-H1's SSM width
     for name in _WINDOW_KEYS:  # per-layer windows (e.g. longformer's attention_window)
         value = values.get(name)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
