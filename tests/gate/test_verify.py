@@ -13,6 +13,7 @@ def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys) -> None:
     assert main(["verify", "roberta", "--no-reference"]) == 1
     out = capsys.readouterr().out
     assert "no leak" in out and "differ from each sample alone" in out and "position_embeddings" in out
+    assert "WRONG: packed samples differ" in out
 
 
 def test_verify_passes_an_exact_model_on_both_checks() -> None:
