@@ -52,6 +52,13 @@ def thorough(session: nox.Session) -> None:
 
 
 @nox.session
+def sweep(session: nox.Session) -> None:
+    """Prove every model type of the installed transformers; regenerate gate/verified.json and the support matrix."""
+    _install(session)
+    session.run("python", "-m", "packfree_plugin.gate.sweep", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Speed and memory ratios against baselines measured in the same run (never asserted in tests)."""
     _install(session)

@@ -28,21 +28,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
                  layer_types=["conv", "full_attention"]),
 }
 """Representative tiny configs: plain attention, a Gated DeltaNet hybrid (Qwen3-Next dense, Qwen3.5), Mamba2,
-and LFM2's short-conv hybrid. Other model types get a best-effort shrink of their default config."""
-
-_SHRINK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-               num_local_experts=4, num_experts_per_tok=2, n_embd=64, n_layer=2, n_head=4)
+and LFM2's short-conv hybrid. Other model types get their default config shrunk, every layer kind kept."""
 
 
 def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int | None = None,
                 **overrides: Any):
     """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``): :data:`FAMILIES` first, then the
     per-model-type :data:`~packfree_plugin.catalogue.CATALOGUE` (its own sizes), else the type's defaults
-    shrunk. ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth)."""
+    shrunk by :func:`packfree_plugin.gate.shrink.tiny_config_for` (every distinct layer kind kept; ``overrides``
+    set on top). ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth; shrunk: as many layers as
+    cover every layer kind)."""
     from transformers import AutoConfig
 
     from .catalogue import CATALOGUE, catalogue_config
+    from .gate.shrink import tiny_config_for
 
     if model_type not in FAMILIES and model_type in CATALOGUE:
         if num_hidden_layers is not None:
@@ -61,21 +60,11 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
         if model_type == "mamba2" and "num_heads" not in overrides:  # heads * head_dim must be hidden * expand
             kwargs["num_heads"] = kwargs["hidden_size"] * kwargs["expand"] // kwargs["head_dim"]
         return AutoConfig.for_model(model_type, **kwargs)
-    config = AutoConfig.for_model(model_type)
-    for name, value in {**_SHRINK, **base, **overrides}.items():
-        if hasattr(config, name) and not _derived(config, name):
+    config = tiny_config_for(model_type)
+    for name, value in {"vocab_size": vocab_size, "hidden_size": hidden_size, **overrides}.items():
+        if getattr(config, name, value) != value:
             setattr(config, name, value)
-    layer_types = getattr(config, "layer_types", None)
-    if not _derived(config, "layer_types") and isinstance(layer_types, list) and layer_types:
-        distinct = list(dict.fromkeys(layer_types))
-        config.layer_types = [distinct[i % len(distinct)] for i in range(config.num_hidden_layers)]
     return config
-
-
-def _derived(config, name: str) -> bool:
-    """Whether the config computes ``name`` from other fields (a property without a setter)."""
-    attribute = getattr(type(config), name, None)
-    return isinstance(attribute, property) and attribute.fset is None
 
 
 def is_model_dir(target: str) -> bool:

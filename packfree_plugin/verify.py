@@ -1,4 +1,10 @@
-"""Leak audit: does any module let one packed sample change another sample's outputs?
+"""Leak audit: does any module let one packed sample change another sample's outputs? And does each packed
+sample give what it gives alone?
+
+:func:`verify` runs both checks: the isolation proof of :mod:`packfree_plugin.gate.proof` (each packed sample
+against that sample run alone on stock transformers, which also catches results that are wrong without
+crossing samples, e.g. positions counted from the wrong origin) and the perturbation audit below, which names
+the modules that let samples mix.
 
 :func:`audit` packs several samples into one row (boundaries given by ``position_ids`` alone, as TRL's
 padding-free collator sends them, and the model called with its default ``use_cache`` as a user would),
@@ -17,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .gate.proof import Proof
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row"]
 
@@ -43,18 +51,30 @@ class AuditResult:
     leaks: list[Leak] = field(default_factory=list)
     failure: str | None = None
     """Why the model could not run the audit at all (only ever set for the stock reference)."""
+    alone: Proof | None = None
+    """Packed samples against each sample alone on stock (None: not compared)."""
+    alone_failure: str | None = None
+    """Why the alone comparison could not run (stock failed on a sample alone)."""
 
     @property
     def ok(self) -> bool:
-        return not self.leaks and self.failure is None
+        return not self.leaks and self.failure is None and (self.alone is None or self.alone.exact)
 
     def summary(self, limit: int = 12) -> str:
         if self.failure is not None:
             return f"{self.attn_implementation}: could not run this input ({self.failure})"
+        lines = [self._leak_summary(limit)]
+        if self.alone is not None:
+            lines.append(f"{self.attn_implementation}: against each sample alone: {self.alone.verdict()}")
+        elif self.alone_failure is not None:
+            lines.append(f"{self.attn_implementation}: not compared with each sample alone ({self.alone_failure})")
+        return "\n".join(lines)
+
+    def _leak_summary(self, limit: int) -> str:
         head = (f"{self.attn_implementation}: samples {self.lengths}, perturbed sample {self.perturbed}; "
                 f"{self.compared} module outputs compared ({self.unaligned} unaligned skipped) in "
                 f"{self.modules} modules: ")
-        if self.ok:
+        if not self.leaks:
             return head + "no leak"
         lines = [head + f"{len(self.leaks)} modules leak"]
         lines += [f"  {leak.module or '<model>'} ({leak.cls}): max diff {leak.max_diff:.3g}"
@@ -169,21 +189,31 @@ def audit(
 
 def verify(target: str, *, lengths: Sequence[int] = (7, 5, 9, 6), reference: str = "sdpa",
            dtype: torch.dtype = torch.float64) -> tuple[AuditResult, AuditResult | None]:
-    """Audit ``target`` (a model directory or model type) under packfree, and under stock ``reference``.
+    """Audit ``target`` (a model directory or model type) under packfree (the leak audit, and each packed
+    sample against that sample alone on stock ``reference``, else ``sdpa``), and audit stock ``reference``.
 
-    Returns ``(packfree_result, reference_result)``; the reference is None when ``reference`` is empty.
+    The model is built past the load-time gate (:mod:`packfree_plugin.gate`), which would refuse a model
+    that fails this very check. Returns ``(packfree_result, reference_result)``; the reference is None when
+    ``reference`` is empty.
     """
+    from .gate import bypassed
+    from .gate.proof import prove
     from .tiny import load_model
 
-    model = load_model(target, "packfree", dtype=dtype)
+    with bypassed():
+        model = load_model(target, "packfree", dtype=dtype)
     mine = audit(model, lengths=lengths)
+    try:
+        stock = load_model(target, reference or "sdpa", dtype=dtype)
+    except ValueError:  # e.g. Mamba2 has no sdpa path: its stock implementation is eager
+        stock = load_model(target, "eager", dtype=dtype)
+    stock.load_state_dict(model.state_dict())
+    try:
+        mine.alone = prove(model, stock, stock_name=stock.config._attn_implementation, lengths=lengths)
+    except Exception as error:  # noqa: BLE001 - stock cannot run a sample alone: nothing to compare with
+        mine.alone_failure = f"stock {type(error).__name__}: {error}"
     theirs = None
     if reference:
-        try:
-            stock = load_model(target, reference, dtype=dtype)
-        except ValueError:  # e.g. Mamba2 has no sdpa path: its stock implementation is eager
-            stock = load_model(target, "eager", dtype=dtype)
-        stock.load_state_dict(model.state_dict())
         try:
             theirs = audit(stock, lengths=lengths)
         except Exception as error:  # the reference is informative: its own bugs must not hide packfree's verdict

@@ -22,10 +22,12 @@ def apply(model: nn.Module) -> nn.Module:
     Switches a model loaded with another attention implementation to ``"packfree"``, hooks every
     ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence
     mixer (GDN, Mamba, conv, ...) its boundary adapter. Raises ``ValueError`` naming any layer that looks
-    like a sequence mixer but has no adapter, and names the supported range on a transformers release packfree
-    was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
+    like a sequence mixer but has no adapter, any architecture that is neither verified by the sweep nor proved
+    exact on a tiny copy (:mod:`packfree_plugin.gate`), and the supported range on a transformers release
+    packfree was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
     """
     from ..compat import check_transformers_version
+    from ..gate import admit
     from ..registration import ATTN_IMPLEMENTATION, register
 
     check_transformers_version()
@@ -35,6 +37,7 @@ def apply(model: nn.Module) -> nn.Module:
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     check_coverage(model)
+    admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
     apply_model_hook(model, layer_hooks=bool(mixers))
     return model

@@ -90,7 +90,8 @@ def _verify(args: argparse.Namespace) -> int:
         print(stock.summary(limit=args.show))
         if stock.ok:
             print(f"(stock {stock.attn_implementation} shows no leak on this input)")
-    print("OK: no module leaks across samples under packfree" if mine.ok else "LEAK: see the modules above")
+    print("OK: no module leaks across samples under packfree" if mine.ok else "LEAK: see the modules above"
+          if mine.leaks else "WRONG: packed samples differ from each sample alone under packfree, see above")
     return 0 if mine.ok else 1
 
 

@@ -1,0 +1,15 @@
+"""The gate: packfree prepares a model for packed rows only once it is proved exact.
+
+- :mod:`.shrink`: a tiny random config of any config / model type, every distinct layer kind kept.
+- :mod:`.proof`: the isolation proof, each packed sample against that sample alone on stock transformers.
+- :mod:`.admission`: :func:`admit`, called at load; verified classes pass, others are proved or refused.
+- :mod:`.sweep`: proves every model type of the installed transformers; writes ``verified.json`` and the
+  support matrix (``python -m packfree_plugin.gate.sweep``).
+- :mod:`.timing`: what the gate costs at load (``python -m packfree_plugin.gate.timing``).
+"""
+
+from __future__ import annotations
+
+from .admission import TRUST_ENV, admit, bypassed, is_verified
+
+__all__ = ["TRUST_ENV", "admit", "bypassed", "is_verified"]

@@ -1,0 +1,167 @@
+"""The load-time gate: a model is prepared for packed rows only once packfree has proved it exact.
+
+:func:`admit` is called by :func:`packfree_plugin.apply` for every model prepared with packfree:
+
+- a model class of transformers that the sweep (:mod:`.sweep`) proved exact for the installed transformers
+  version (:data:`VERIFIED_FILE`) passes at once, provided its config's switches (:func:`switches`: the
+  boolean and string settings, e.g. Falcon's ``alibi`` or BERT's ``position_embedding_type``) are those the
+  sweep proved;
+- any other architecture (a newer transformers, ``trust_remote_code``, a type the sweep found wrong) gets
+  the isolation proof (:func:`.proof.prove`) on a tiny random copy of its own config class, every distinct
+  layer kind kept (:func:`.shrink.shrink_config`); if the copy is not exact, or cannot be built, the load
+  fails with a ``ValueError`` naming the model type and the modules that went wrong.
+
+Opt-out: ``PACKFREE_TRUST_UNVERIFIED=1`` in the environment (or ``admit(model, trust_unverified=True)``)
+skips the proof and logs a warning. A model built inside another model's constructor (a backbone inside its
+head) is not checked on its own: the outer model's proof runs through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+from torch import nn
+
+__all__ = ["TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified", "prove_tiny_copy", "switches",
+           "verified_classes"]
+
+TRUST_ENV = "PACKFREE_TRUST_UNVERIFIED"
+VERIFIED_FILE = Path(__file__).with_name("verified.json")
+
+logger = logging.getLogger("packfree")
+
+
+class _Bypass(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_bypass = _Bypass()
+_verdicts: dict[tuple[type, str], str | None] = {}
+"""(model class, tiny config JSON) -> None when proved exact, else the refusal message."""
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Within ``with``, on this thread, :func:`admit` admits everything (the proof's own tiny models, the sweep)."""
+    _bypass.depth += 1
+    try:
+        yield
+    finally:
+        _bypass.depth -= 1
+
+
+_IGNORED_SWITCHES = frozenset({"model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
+                               "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+                               "tie_word_embeddings", "problem_type", "tokenizer_class", "is_encoder_decoder"})
+
+
+def switches(config) -> dict[str, bool | str]:
+    """The config's top-level boolean and string settings that can change what a layer computes (activation
+    names and output/caching flags left out)."""
+    return {name: value for name, value in config.to_dict().items()
+            if isinstance(value, (bool, str)) and name not in _IGNORED_SWITCHES and not name.startswith("_")
+            and "act" not in name}
+
+
+@cache
+def _verified(version: str) -> dict:
+    return json.loads(VERIFIED_FILE.read_text()).get(version, {}) if VERIFIED_FILE.exists() else {}
+
+
+def verified_classes(version: str | None = None) -> frozenset[tuple[str, str]]:
+    """``(model_type, class name)`` pairs the sweep proved exact under transformers ``version`` (default: installed)."""
+    import transformers
+
+    exact = _verified(version or transformers.__version__).get("exact", {})
+    return frozenset((model_type, name) for model_type, names in exact.items() for name in names)
+
+
+def is_verified(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers class the sweep proved exact for the installed transformers, with
+    the switches the sweep proved it with."""
+    import transformers
+
+    cls = type(model)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not cls.__module__.startswith("transformers.models.") or (model_type, cls.__name__) not in verified_classes():
+        return False
+    proved = _verified(transformers.__version__).get("switches", {}).get(model_type, {})
+    mine = switches(config)
+    return all(mine.get(name, value) == value for name, value in proved.items())
+
+
+def _inside_another_model(model: nn.Module) -> bool:
+    """Whether ``model`` is being built inside another ``PreTrainedModel``'s constructor."""
+    from transformers import PreTrainedModel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, PreTrainedModel) and owner is not model:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def prove_tiny_copy(model: nn.Module):
+    """The isolation proof on a tiny random copy of ``model``'s class and config (:class:`.proof.Proof`).
+
+    Raises whatever building the copy or running it on stock raises (then nothing can be proved)."""
+    import torch
+
+    from .proof import build_pair, prove
+    from .shrink import shrink_config
+
+    with bypassed():
+        with torch.device("cpu"):  # from_pretrained builds under a meta-device context; the copy needs weights
+            packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
+        return prove(packed, stock, stock_name=implementation)
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """None when the tiny copy is exact, else why the model is refused."""
+    model_type = getattr(model.config, "model_type", "?")
+    name = type(model).__name__
+    opt_out = f"set {TRUST_ENV}=1 to load it anyway, at your own risk"
+    try:
+        proof = prove_tiny_copy(model)
+    except Exception as error:  # noqa: BLE001 - no proof, no admission
+        return (f"packfree could not prove {name} (model type {model_type!r}) exact on packed rows: a tiny copy "
+                f"could not be built or run ({type(error).__name__}: {error}); {opt_out}")
+    if proof.exact:
+        return None
+    return (f"packfree refuses {name} (model type {model_type!r}): on a tiny copy, {proof.summary()}. "
+            f"Load it without attn_implementation='packfree', or {opt_out}")
+
+
+def admit(model: nn.Module, *, trust_unverified: bool = False) -> None:
+    """Return if ``model`` may run packed rows under packfree; raise ``ValueError`` saying why not otherwise.
+
+    Verified classes cost nothing; others are proved on a tiny copy once per class and config (~1-2 s).
+    ``trust_unverified`` (or ``PACKFREE_TRUST_UNVERIFIED=1``) skips the proof with a warning.
+    """
+    if _bypass.depth or getattr(model, "config", None) is None or is_verified(model):
+        return
+    if _inside_another_model(model):
+        return
+    name = f"{type(model).__name__} (model type {getattr(model.config, 'model_type', '?')!r})"
+    if trust_unverified or os.environ.get(TRUST_ENV, "") not in ("", "0"):
+        logger.warning("packfree: %s is not verified exact on packed rows and its proof is skipped (%s); "
+                       "packed results may be wrong", name, TRUST_ENV)
+        return
+    key = (type(model), model.config.to_json_string(use_diff=False))
+    if key not in _verdicts:
+        _verdicts[key] = _refusal(model)
+    if _verdicts[key] is not None:
+        raise ValueError(_verdicts[key])

@@ -1,0 +1,225 @@
+"""Shrink any transformers config to a tiny random model that keeps every distinct layer kind.
+
+:func:`shrink_config` takes a config (a user's real one, or a model type's default) and returns a fresh
+config of the same class with hidden size <= 64, a small vocabulary and as few layers as cover every
+distinct per-layer setting: the layers kept are chosen so that each value of each per-layer list
+(``layer_types``, ``mlp_layer_types``, ``layers_block_type``, ...) and each membership of a layer-index list
+(``attn_layer_indices``, ``mlp_only_layers``, ...) appears at least once. Periodic patterns
+(``sliding_window_pattern``, ``global_attn_every_n_layers``, ...) are shortened to period 2; windows,
+attention chunks and the chunks / blocks of chunked scans to 4 tokens, so that short test samples still
+cross them. Sub-configs (``text_config``,
+``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
+
+:func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
+:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config shrunk.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["TINY_VOCAB", "WINDOW", "shrink_config", "tiny_config_for"]
+
+TINY_VOCAB = 128
+"""Vocabulary of a shrunk config; ids 0-2 are pad/bos/eos, the top 16 ids are kept for other special tokens."""
+WINDOW = 4
+"""Sliding window / attention chunk of a shrunk config, in tokens."""
+_HIDDEN = 64
+_HEADS = 4
+_HEAD_DIM = 16
+_FFN = 64
+_MAX_LAYERS = 6
+
+_MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
+_CHUNK_KEYS = ("chunk_size", "mamba_chunk_size", "block_size")
+"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks."""
+_STATE = 16
+_SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+              ("n_mamba_heads", "mamba_headdim", "mamba_expand"))
+_HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
+                "word_embed_proj_dim", "hidden_dim", "emb_dim")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+               "num_decoder_layers", "num_encoder_layers", "depth")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
+              "n_heads", "num_decoder_attention_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
+                 "num_kv_heads_per_layer")
+_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "attention_head_size", "d_head")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+                "n_experts", "num_moe_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "num_selected_experts",
+               "moe_k", "router_top_k")
+_WINDOW_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention",
+                "attention_window", "window_size", "swa_window_size")
+_SPECIAL_IDS = re.compile(r"(_token_id|_token_index|_id)$")
+_PERIOD = re.compile(r"(period|interval|_pattern|every_n|_step$)")
+_OFFSET = re.compile(r"(offset|first_k_dense_replace|num_dense_layers|first_dense)")
+_FFN_NAME = re.compile(r"(intermediate|ffn|d_ff$|n_inner$|mlp_dim|ff_dim|hidden_dim_ff)")
+_LARGE_DIM = re.compile(r"(_dim$|_size$|_rank$|_channels$|_width$)")
+_KEEP_DIMS = re.compile(r"(vocab|position|max_|window|chunk|block|patch|image|kernel|buckets|bucket|conv|"
+                        r"seq_len|length|context|num_)")
+
+
+def _shrink_layers(values: dict[str, Any], count: int) -> int:
+    """Keep as few of ``count`` layers as cover every per-layer setting; rewrite each per-layer list, layer-index
+    list and layer-keyed dict of ``values`` accordingly; return how many layers are kept."""
+    index_lists = {name: value for name, value in values.items()
+                   if "layer" in name and isinstance(value, (list, tuple)) and value
+                   and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)
+                   and list(value) == sorted(set(value))}
+    per_layer = {name: value for name, value in values.items()
+                 if isinstance(value, (list, tuple)) and len(value) == count and count > 1
+                 and name not in index_lists and name != "architectures"}
+    keyed = {name: value for name, value in values.items()
+             if "layer" in name and isinstance(value, dict) and value
+             and all(str(k).isdigit() and int(k) < count for k in value)}
+    shared = values.get("num_kv_shared_layers")  # the last layers reuse an earlier layer's keys and values
+    first_shared = count - shared if isinstance(shared, int) and 0 < shared < count else count
+    seen: set[tuple[str, str]] = set()
+    kept: list[int] = []
+    for layer in range(count):
+        features = {(name, repr(value[layer]) + ("/shared" if layer >= first_shared else ""))
+                    for name, value in per_layer.items()}
+        features |= {(name, repr(layer in value)) for name, value in index_lists.items()}
+        features |= {(name, repr(value.get(str(layer), value.get(f"{layer:02d}", value.get(layer)))))
+                     for name, value in keyed.items()}
+        if not features <= seen or not kept:
+            kept.append(layer)
+            seen |= features
+    extra = [layer for layer in range(count) if layer not in kept]
+    kept = sorted(kept + extra[:max(0, min(2, count) - len(kept))])[:_MAX_LAYERS]
+    for name, value in per_layer.items():
+        values[name] = type(value)(value[i] for i in kept)
+    if first_shared < count:
+        values["num_kv_shared_layers"] = sum(layer >= first_shared for layer in kept)
+    for name, value in index_lists.items():
+        values[name] = type(value)(kept.index(i) for i in value if i in kept)
+    for name, value in keyed.items():
+        values[name] = {str(kept.index(int(k))).zfill(len(str(k))) if isinstance(k, str) else kept.index(int(k)): v
+                        for k, v in value.items() if int(k) in kept}
+    return len(kept)
+
+
+def _shrink_values(values: dict[str, Any]) -> None:
+    """Shrink one config's ``to_dict()`` in place (sub-config dicts recursively)."""
+    for value in values.values():
+        if isinstance(value, dict) and ("model_type" in value or any(k in value for k in _HIDDEN_KEYS)):
+            _shrink_values(value)
+    shrunk: dict[int, int] = {}  # layer count -> kept count (encoder and decoder stacks may share a count)
+    for name in _LAYER_KEYS:
+        count = values.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            if count not in shrunk:
+                shrunk[count] = _shrink_layers(values, count)
+            values[name] = shrunk[count]
+    heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
+    for name in _HEAD_DIM_KEYS[:1] + ("num_key_value_heads",):  # a None default some models cannot build from
+        if name in values and values[name] is None and heads is not None:
+            values[name] = _HIDDEN // _HEADS if name == "head_dim" else _HEADS
+    if any(isinstance(values.get(k), int) for k in _EXPERT_KEYS):  # experts but a None top-k default
+        values.update({k: 2 for k in _TOP_K_KEYS if k in values and values[k] is None})
+    rope = values.get("qk_rope_head_dim")
+    if isinstance(rope, int) and rope > _MLA["qk_rope_head_dim"]:  # multi-head latent attention: small ranks
+        if values.get("head_dim") == rope:  # DeepSeek-V2/V3: head_dim is the rotary part
+            values["head_dim"] = _MLA["qk_rope_head_dim"]
+        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int)})
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
+    for name, value in list(values.items()):
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if (name in _HIDDEN_KEYS or name == "pooler_hidden_size") and value > _HIDDEN:
+            values[name] = _HIDDEN
+        elif name in _HEAD_KEYS and value > _HEADS:
+            values[name] = _HEADS
+        elif name in _KV_HEAD_KEYS and value > 1:
+            values[name] = _HEADS if heads is not None and value >= heads else 2
+        elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM:
+            values[name] = _HEAD_DIM
+        elif name in _EXPERT_KEYS and value > 4:
+            values[name] = 4
+        elif name in _TOP_K_KEYS and value > 2:
+            values[name] = 2
+        elif name in ("n_shared_experts", "num_shared_experts") and value > 1:
+            values[name] = 1
+        elif name in ("n_group", "num_expert_group", "topk_group", "n_groups_routed"):
+            values[name] = 1
+        elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS) and value > WINDOW:
+            values[name] = WINDOW
+        elif name.endswith(("d_state", "state_size")) and value > _STATE:
+            values[name] = _STATE
+        elif name == "vocab_size" and value > TINY_VOCAB:
+            values[name] = TINY_VOCAB
+        elif _PERIOD.search(name) and value > 2 and "head" not in name:
+            values[name] = 2
+        elif _OFFSET.search(name) and value > 1:
+            values[name] = 1
+        elif _FFN_NAME.search(name) and value > _FFN:
+            values[name] = _FFN
+        elif _LARGE_DIM.search(name) and not _KEEP_DIMS.search(name) and value > _HIDDEN:
+            values[name] = _HEAD_DIM * 2
+    if isinstance(values.get("rotary_dim"), int) and values["rotary_dim"] > _HEAD_DIM:
+        values["rotary_dim"] = _HEAD_DIM
+    for heads, dim, expand in _SSM_HEADS:  # Mamba2 heads: heads * head_dim == hidden * expand
+        if all(isinstance(values.get(k), int) for k in (heads, dim, expand, "hidden_size")):
+            values[heads] = values["hidden_size"] * values[expand] // values[dim]
+    if all(isinstance(values.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
+        values["mamba_d_ssm"] = values["mamba_n_heads"] * values["mamba_d_head"]  # Falcon-H1's SSM width
+    for name in _WINDOW_KEYS:  # per-layer windows (e.g. longformer's attention_window)
+        value = values.get(name)
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            values[name] = [min(v, WINDOW) for v in value]
+    if "vocab_size" in values:
+        _remap_special_ids(values, min(int(values["vocab_size"] or TINY_VOCAB), TINY_VOCAB))
+
+
+def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
+    """Move every special token id that no longer fits the vocabulary: pad/bos/eos to 0/1/2, others to the
+    top ids (``vocab - 1``, ``vocab - 2``, ...), the same old id always to the same new one."""
+    fixed = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2}
+    moved: dict[int, int] = {}
+    top: list[int] = []
+
+    def new_id(name: str, old: int) -> int:
+        if old not in moved:
+            if name in fixed and fixed[name] not in moved.values():
+                moved[old] = fixed[name]
+            else:
+                top.append(vocab - 1 - len(top))
+                moved[old] = top[-1]
+        return moved[old]
+
+    for name, value in list(values.items()):
+        if not _SPECIAL_IDS.search(name) or name.endswith("layer_id"):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+            values[name] = new_id(name, value)
+        elif isinstance(value, list) and all(isinstance(v, int) for v in value) and any(v >= vocab for v in value):
+            values[name] = [new_id(name, v) if v >= vocab else v for v in value]
+
+
+def shrink_config(config):
+    """A fresh tiny config of ``config``'s class that keeps each of its distinct layer kinds (see the module doc)."""
+    values = config.to_dict()
+    for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
+                 "quantization_config"):
+        values.pop(name, None)
+    _shrink_values(values)
+    values.pop("model_type", None)
+    return type(config)(**values)
+
+
+def tiny_config_for(model_type: str):
+    """The tiny config of a bare model type: its catalogue entry, else its default config shrunk."""
+    from transformers import AutoConfig
+
+    from ..catalogue import CATALOGUE, catalogue_config
+
+    if model_type in CATALOGUE:
+        return catalogue_config(model_type)
+    config = shrink_config(AutoConfig.for_model(model_type))
+    languages = getattr(config, "languages", None)
+    if getattr(config, "default_language", False) is None and languages:  # X-MOD: no language, no forward
+        config.default_language = languages[0]
+    return config

@@ -1,0 +1,338 @@
+"""The sweep: prove every model type of the installed transformers and record what is exact.
+
+``python -m packfree_plugin.gate.sweep`` builds, for every target (each ``MODEL_FOR_CAUSAL_LM`` and
+``MODEL_FOR_MASKED_LM`` type, head and base model; the base model of every catalogue type; the token- and
+sequence-classification heads of :data:`HEAD_FAMILIES`), a tiny random model (:func:`.shrink.tiny_config_for`), runs the isolation proof with
+the gate bypassed (what packfree itself does) and classifies the target:
+
+- ``exact``; ``wrong`` (silently wrong: it ran and gave other results);
+- ``refused`` (a ``ValueError`` / ``NotImplementedError`` at load or on the packed row);
+- ``internal`` (any other exception from packfree: a bug that should become exact or a refusal);
+- ``unbuildable`` (the tiny config, the stock model or its text-only forward fails; or the time limit).
+
+For every target that is not exact it also records whether the gate refuses it at load. Targets run in
+worker processes (``--jobs``) with a per-target time limit, so one hang cannot stall the sweep. It writes
+:data:`~.admission.VERIFIED_FILE` (keyed by transformers version: the exact classes and every result) and the
+support matrix :data:`MATRIX_FILE`, also spliced into the README between :data:`README_MARKERS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .admission import VERIFIED_FILE
+
+__all__ = ["HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_matrix", "run_target", "targets"]
+
+MATRIX_FILE = Path(__file__).with_name("support_matrix.md")
+README_MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
+HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
+                 "olmo2", "mixtral", "bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra",
+                 "modernbert", "albert", "mpnet", "camembert")
+"""Common decoder and encoder families whose token- and sequence-classification heads are swept."""
+TIME_LIMIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Target:
+    group: str  # "causal" | "masked" | "backbone" (a covered hybrid's base model) | "token" | "sequence"
+    model_type: str
+    cls: str
+
+
+@dataclass
+class Result:
+    group: str
+    model_type: str
+    cls: str
+    status: str  # exact | wrong | refused | internal | unbuildable
+    detail: str = ""
+    gate_refuses: bool | None = None  # for non-exact targets: whether admit() refuses the model at load
+    config_type: str = ""  # model_type of the config the class was built from (a composite type's text config)
+    switches: dict | None = None  # for exact targets: the config switches proved (admission.switches)
+
+
+def _names(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def targets() -> list[Target]:
+    """Every target of the installed transformers, in a stable order."""
+    from transformers.models.auto import modeling_auto as auto
+
+    from ..catalogue import CATALOGUE
+
+    found: dict[Target, None] = {}
+    for group, mapping in (("causal", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                           ("masked", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
+        for model_type in sorted(mapping):
+            for name in _names(mapping[model_type]) + _names(auto.MODEL_MAPPING_NAMES.get(model_type, [])):
+                found.setdefault(Target(group, model_type, name))
+    for model_type in sorted(CATALOGUE):  # covered hybrid types with a backbone only (no causal-LM head)
+        for name in _names(auto.MODEL_MAPPING_NAMES.get(model_type, [])):
+            found.setdefault(Target("backbone", model_type, name))
+    for group, mapping in (("token", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+                           ("sequence", auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)):
+        for model_type in HEAD_FAMILIES:
+            for name in _names(mapping.get(model_type, [])):
+                found.setdefault(Target(group, model_type, name))
+    seen: set[tuple[str, str]] = set()
+    ordered = []
+    for target in found:  # a base model shared by both mappings is swept once, under the first group
+        if (target.model_type, target.cls) not in seen:
+            seen.add((target.model_type, target.cls))
+            ordered.append(target)
+    return ordered
+
+
+def _is_refusal(error: BaseException) -> bool:
+    return isinstance(error, (ValueError, NotImplementedError))
+
+
+def _error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+def run_target(target: Target) -> Result:
+    """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate."""
+    import transformers
+
+    from .admission import bypassed, prove_tiny_copy, switches
+    from .proof import alone_outputs, build_pair, build_stock, prove, sample_tokens
+    from .shrink import tiny_config_for
+
+    result = Result(target.group, target.model_type, target.cls, "unbuildable")
+    try:
+        cls = getattr(transformers, target.cls)
+        config = tiny_config_for(target.model_type)
+        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+            config = config.get_text_config()  # a text model of a composite (multimodal) type
+        result.config_type = config.model_type
+    except Exception as error:  # noqa: BLE001
+        result.detail = f"tiny config: {_error(error)}"
+        return result
+    with bypassed():
+        try:  # stock alone first: if it cannot run, nothing can be proved
+            stock, _ = build_stock(cls, config)
+            alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 128)))
+        except Exception as error:  # noqa: BLE001
+            result.detail = f"stock: {_error(error)}"
+            return result
+        try:
+            model, stock, implementation = build_pair(cls, config)
+        except Exception as error:  # noqa: BLE001
+            result.status = "refused" if _is_refusal(error) else "internal"
+            result.detail = f"at load: {_error(error)}"
+            result.gate_refuses = True  # the load itself fails
+            return result
+        try:
+            proof = prove(model, stock, stock_name=implementation)
+        except Exception as error:  # noqa: BLE001 - stock raised on the sample set: not provable
+            result.detail = f"stock: {_error(error)}"
+            return result
+    if proof.exact:
+        result.status = "exact"
+        result.switches = switches(config)
+    elif proof.error is not None:
+        result.status = "refused" if proof.error.startswith(("ValueError", "NotImplementedError")) else "internal"
+        result.detail = f"at call ({proof.mode}): {proof.error}"[:300]
+    else:
+        result.status = "wrong"
+        result.detail = proof.verdict()[:300]
+    if not proof.exact:
+        try:
+            result.gate_refuses = not prove_tiny_copy(model).exact
+        except Exception:  # noqa: BLE001 - the gate refuses what it cannot prove
+            result.gate_refuses = True
+    return result
+
+
+# ------------------------------------------------------------------------------------------ workers
+def _worker() -> None:
+    """Read one target per stdin line (JSON), write one result per stdout line (JSON)."""
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # models that print must not corrupt the protocol
+    for line in sys.stdin:
+        target = Target(**json.loads(line))
+        out.write(json.dumps(asdict(run_target(target))) + "\n")
+        out.flush()
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "packfree_plugin.gate.sweep", "--worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        self.target: Target | None = None
+        self.started = 0.0
+
+    def send(self, target: Target) -> None:
+        self.target, self.started = target, time.monotonic()
+        self.process.stdin.write(json.dumps(asdict(target)) + "\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def sweep(chosen: Iterable[Target], *, jobs: int = 1, time_limit: float = TIME_LIMIT_S,
+          progress: bool = True) -> list[Result]:
+    """Run ``chosen`` targets in ``jobs`` worker processes; a target past ``time_limit`` s is unbuildable."""
+    import selectors
+
+    pending = list(chosen)
+    total = len(pending)
+    results: list[Result] = []
+    workers = [_Worker() for _ in range(max(1, min(jobs, total)))]
+    selector = selectors.DefaultSelector()
+    for worker in workers:
+        selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
+    idle = list(workers)
+    try:
+        while pending or len(idle) < len(workers):
+            while idle and pending:
+                idle.pop().send(pending.pop(0))
+            for key, _ in selector.select(timeout=1.0):
+                worker: _Worker = key.data
+                line = worker.process.stdout.readline()
+                if line:
+                    results.append(Result(**json.loads(line)))
+                else:  # the worker died (a crash in native code): record and replace it
+                    results.append(Result(worker.target.group, worker.target.model_type, worker.target.cls,
+                                          "unbuildable", f"the process died (exit {worker.process.wait()})"))
+                    selector.unregister(worker.process.stdout)
+                    worker = _replace(workers, worker, selector)
+                idle.append(worker)
+                if progress:
+                    last = results[-1]
+                    print(f"[{len(results)}/{total}] {last.status:11} {last.cls} ({last.model_type}) "
+                          f"{last.detail[:100]}", file=sys.stderr, flush=True)
+            for worker in [w for w in workers if w not in idle and time.monotonic() - w.started > time_limit]:
+                results.append(Result(worker.target.group, worker.target.model_type, worker.target.cls,
+                                      "unbuildable", f"over the {time_limit:.0f} s time limit"))
+                selector.unregister(worker.process.stdout)
+                idle.append(_replace(workers, worker, selector))
+    finally:
+        for worker in workers:
+            worker.stop()
+    return results
+
+
+def _replace(workers: list[_Worker], worker: _Worker, selector) -> _Worker:
+    import selectors
+
+    worker.stop()
+    fresh = _Worker()
+    workers[workers.index(worker)] = fresh
+    selector.register(fresh.process.stdout, selectors.EVENT_READ, fresh)
+    return fresh
+
+
+# ------------------------------------------------------------------------------------------ outputs
+_STATUS_TEXT = {"exact": "exact", "wrong": "silently wrong under stock packfree: refused at load",
+                "refused": "refused", "internal": "internal error under stock packfree: refused at load",
+                "unbuildable": "not buildable"}
+
+
+def render_matrix(version: str, results: Sequence[Result]) -> str:
+    """The support matrix (Markdown): counts per group and status, then one row per target."""
+    groups = ("causal", "masked", "backbone", "token", "sequence")
+    statuses = ("exact", "wrong", "refused", "internal", "unbuildable")
+    counts = Counter((r.group, r.status) for r in results)
+    lines = [f"Generated by `python -m packfree_plugin.gate.sweep` for transformers {version}: each model class built "
+             "tiny (random weights, float32), a packed row of 3 samples compared with each sample alone on stock "
+             "`sdpa`/`eager` (max |diff| < 1e-4), with `position_ids` only and with "
+             "`DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)` kwargs. "
+             "Only **exact** classes load with `attn_implementation=\"packfree\"` at no cost; every other class "
+             "is proved on a tiny copy at load and refused unless exact.", "",
+             "| group | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
+    for group in groups:
+        lines.append(f"| {group} | " + " | ".join(str(counts[(group, s)]) for s in statuses) + " |")
+    lines += ["", "<details><summary>Every class</summary>", "", "| model type | class | group | status | detail |",
+              "|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")[:160]
+        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_STATUS_TEXT[r.status]} | {detail} |")
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)
+
+
+def load_results(version: str) -> list[Result]:
+    """The results recorded in :data:`VERIFIED_FILE` for transformers ``version`` (empty if none)."""
+    if not VERIFIED_FILE.exists():
+        return []
+    return [Result(**r) for r in json.loads(VERIFIED_FILE.read_text()).get(version, {}).get("results", [])]
+
+
+def write_outputs(version: str, results: Sequence[Result], readme: Path | None) -> None:
+    """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`, the matrix file and the README section."""
+    data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
+    exact: dict[str, list[str]] = {}
+    proved: dict[str, dict] = {}
+    for r in sorted(results, key=lambda r: (r.model_type, r.cls)):
+        if r.status == "exact":  # keyed as the gate sees a model: its config's model_type and its class
+            exact.setdefault(r.config_type, []).append(r.cls)
+            proved.setdefault(r.config_type, r.switches or {})
+    ordered = sorted(results, key=lambda r: (r.group, r.model_type, r.cls))
+    data[version] = {"exact": {k: sorted(set(v)) for k, v in sorted(exact.items())}, "switches": proved,
+                     "results": [{k: v for k, v in asdict(r).items() if k != "switches"} for r in ordered]}
+    VERIFIED_FILE.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
+    matrix = render_matrix(version, ordered)
+    MATRIX_FILE.write_text(matrix)
+    if readme is not None and readme.exists():
+        text = readme.read_text()
+        start, end = README_MARKERS
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            readme.write_text(head + start + "\n" + matrix + end + rest.split(end, 1)[1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m packfree_plugin.gate.sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per target (default 120)")
+    parser.add_argument("--only", nargs="*", help="model types to re-run (merged into the recorded results)")
+    parser.add_argument("--readme", default=str(Path(__file__).resolve().parents[2] / "README.md"),
+                        help="README whose support-matrix section is replaced")
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker()
+        return 0
+    import transformers
+
+    chosen = targets()
+    previous: list[Result] = []
+    if args.only:
+        recorded = json.loads(VERIFIED_FILE.read_text()).get(transformers.__version__, {}).get("switches", {})
+        previous = [r for r in load_results(transformers.__version__) if r.model_type not in args.only]
+        for r in previous:
+            r.switches = recorded.get(r.config_type) if r.status == "exact" else None
+        chosen = [t for t in chosen if t.model_type in args.only]
+    results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
+    write_outputs(transformers.__version__, results, Path(args.readme))
+    counts = Counter((r.group, r.status) for r in results)
+    print(json.dumps({f"{g}/{s}": n for (g, s), n in sorted(counts.items())}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The load-time gate: verified classes load at no cost; any other class is proved on a tiny copy, and
+refused at load when that copy is not exact, unless the user opts out explicitly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertForSequenceClassification,
+                          LlamaForCausalLM)
+from transformers.models.llama import modeling_llama
+
+import packfree_plugin
+from packfree_plugin.gate import TRUST_ENV, admit, is_verified
+from packfree_plugin.gate import admission as admit_module
+from packfree_plugin.gate.shrink import tiny_config_for
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    packfree_plugin.register()
+    monkeypatch.setattr(admit_module, "_verdicts", {})
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+
+
+@pytest.fixture
+def proofs(monkeypatch) -> list[str]:
+    """Names of the classes proved on a tiny copy during the test."""
+    seen: list[str] = []
+    original = admit_module.prove_tiny_copy
+
+    def counting(model):
+        seen.append(type(model).__name__)
+        return original(model)
+
+    monkeypatch.setattr(admit_module, "prove_tiny_copy", counting)
+    return seen
+
+
+class RemoteLlama(LlamaForCausalLM):
+    """Stands for a ``trust_remote_code`` class: same layers, defined outside transformers."""
+
+
+class LeakyRemoteLlama(LlamaForCausalLM):
+    """A remote-code class whose MLP mixes tokens along the sequence."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.mlp.forward = lambda x, mlp=layer.mlp: modeling_llama.LlamaMLP.forward(mlp, x) + 0.1 * x.cumsum(1)
+
+
+def test_a_verified_class_loads_without_a_proof(proofs) -> None:
+    model = AutoModelForCausalLM.from_config(tiny_config_for("llama"), attn_implementation="packfree")
+    assert is_verified(model) and proofs == []
+
+
+def test_a_verified_class_with_an_unproved_switch_is_proved(proofs) -> None:
+    """The sweep proved Qwen2 without its sliding window (``use_sliding_window=False`` by default); a config
+    that turns it on is proved at load like an unverified class."""
+    config = tiny_config_for("qwen2")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 0
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree")
+    assert not is_verified(model) and proofs == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize(("auto", "model_type", "names"), [
+    (AutoModelForMaskedLM, "roberta", ("'roberta'", "position_embeddings")),  # wrong without crossing samples
+    (AutoModelForCausalLM, "bloom", ("'bloom'", "Boundaries")),  # an internal error on a packed row (ALiBi)
+    (AutoModelForCausalLM, "llama4_text", ("'llama4_text'", "self_attn")),  # chunked attention dropped
+])
+def test_a_type_the_sweep_found_wrong_is_refused_at_load(auto, model_type: str, names: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="packfree refuses") as refused:
+        auto.from_config(tiny_config_for(model_type), attn_implementation="packfree")
+    for name in names:
+        assert name in str(refused.value)
+    assert TRUST_ENV in str(refused.value)
+
+
+def test_a_pooling_head_is_refused_at_load() -> None:
+    with pytest.raises(ValueError, match="not one per sample"):
+        BertForSequenceClassification._from_config(tiny_config_for("bert"), attn_implementation="packfree")
+
+
+def test_an_unverified_exact_class_is_proved_once_and_loads(proofs) -> None:
+    """A class outside transformers (remote code) is proved on a tiny copy of its config; once per config."""
+    config = tiny_config_for("llama")
+    model = RemoteLlama._from_config(config, attn_implementation="packfree")
+    assert not is_verified(model) and proofs == ["RemoteLlama"]  # the backbone inside is not proved apart
+    RemoteLlama._from_config(tiny_config_for("llama"), attn_implementation="packfree")
+    assert proofs == ["RemoteLlama"]
+
+
+def test_an_unverified_leaking_class_is_refused_naming_the_module() -> None:
+    with pytest.raises(ValueError, match="LeakyRemoteLlama") as refused:
+        LeakyRemoteLlama._from_config(tiny_config_for("llama"), attn_implementation="packfree")
+    assert "mlp" in str(refused.value)
+
+
+def test_the_opt_out_loads_a_refused_type_with_a_warning(monkeypatch, caplog, proofs) -> None:
+    monkeypatch.setenv(TRUST_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="packfree"):
+        model = AutoModelForMaskedLM.from_config(tiny_config_for("roberta"), attn_implementation="packfree")
+    assert proofs == [] and "RobertaForMaskedLM" in caplog.text and TRUST_ENV in caplog.text
+    monkeypatch.delenv(TRUST_ENV)
+    with caplog.at_level(logging.WARNING, logger="packfree"):
+        admit(model, trust_unverified=True)
+    with pytest.raises(ValueError):
+        admit(model)
+
+
+def test_apply_on_a_model_loaded_with_sdpa_goes_through_the_gate() -> None:
+    stock = AutoModelForMaskedLM.from_config(tiny_config_for("roberta"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="packfree refuses"):
+        packfree_plugin.apply(stock)
+
+
+def test_a_config_that_cannot_be_shrunk_and_built_is_refused(monkeypatch) -> None:
+    from packfree_plugin.gate import shrink
+
+    def broken(config):
+        raise RuntimeError("no tiny copy")
+
+    config = tiny_config_for("llama")
+    monkeypatch.setattr(shrink, "shrink_config", broken)
+    with pytest.raises(ValueError, match="could not be built or run .*no tiny copy"):
+        RemoteLlama._from_config(config, attn_implementation="packfree")

@@ -1,0 +1,21 @@
+"""``packfree verify`` compares each packed sample with that sample alone, not only the leak audit."""
+
+from __future__ import annotations
+
+from packfree_plugin.cli import main
+from packfree_plugin.verify import verify
+
+
+def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys) -> None:
+    """RoBERTa's shifted positions move no sample into another: the leak audit passes, the alone check fails."""
+    mine, _ = verify("roberta", reference="")
+    assert not mine.leaks and mine.alone is not None and not mine.alone.exact and not mine.ok
+    assert main(["verify", "roberta", "--no-reference"]) == 1
+    out = capsys.readouterr().out
+    assert "no leak" in out and "differ from each sample alone" in out and "position_embeddings" in out
+    assert "WRONG: packed samples differ" in out
+
+
+def test_verify_passes_an_exact_model_on_both_checks() -> None:
+    mine, stock = verify("llama")
+    assert mine.ok and mine.alone.exact and stock is not None
