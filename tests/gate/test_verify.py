@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from packfree_plugin.cli import main
+from packfree_plugin.tools.cli import main
 from packfree_plugin.verify import verify
 
 
