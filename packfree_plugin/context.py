@@ -174,9 +174,14 @@ def _flat(tree: Any) -> list[Any]:
     return [tree]
 
 
-def _restarts_inside(position_ids: Any) -> bool:
-    """Whether 2-D ``position_ids`` start a new sample (a 0) after a row's first token."""
-    return isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and bool((position_ids[:, 1:] == 0).any())
+def _packing_signs(arguments: dict[str, Any]) -> list[str]:
+    """What in a call says its rows are packed: boundary kwargs, or 2-D ``position_ids`` that restart at 0 after
+    a row's first token (read before the boundaries, where they cannot be built: a filled cache, a 4-D mask)."""
+    signs = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
+    position_ids = arguments.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and bool((position_ids[:, 1:] == 0).any()):
+        signs.append("position_ids restarting at 0")
+    return signs
 
 
 def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
@@ -187,9 +192,7 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
     batch_size, seq_len = tokens.shape[0], tokens.shape[1]
     past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
     if _cache_holds_tokens(past):
-        given = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
-        if _restarts_inside(arguments.get("position_ids")):
-            given.append("position_ids restarting at 0")
+        given = _packing_signs(arguments)
         if given:
             raise ValueError(
                 f"a packed batch ({', '.join(given)}) was passed together with a cache that already holds tokens; "
@@ -198,9 +201,7 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
         return None
     attention_mask = arguments.get("attention_mask")
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
-        packing = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
-        if _restarts_inside(arguments.get("position_ids")):
-            packing.append("position_ids restarting at 0")
+        packing = _packing_signs(arguments)
         if packing:
             raise ValueError(
                 f"a {attention_mask.ndim}-D attention_mask was passed with a packed batch ({', '.join(packing)}); "

@@ -165,25 +165,15 @@ def _compare(packed: torch.Tensor, alone: list[torch.Tensor], lengths: Sequence[
 
 
 def _first_outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Module name -> first tensor of its first call's output (float32, detached), in completion order."""
-    from ..verify import _tensors
+    """Module name -> first floating tensor of its first call's output (float32), in completion order."""
+    from ..verify import _record
 
-    outputs: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        def hook(_module, _args, output, name=name):
-            tensors = [t for t in _tensors(output) if t.is_floating_point()]
-            if name not in outputs and tensors:
-                outputs[name] = tensors[0].detach().float()
-
-        handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outputs
+    first = {}
+    for name, calls in _record(model, batch).items():
+        floats = [t for t in calls[0] if t.is_floating_point()]
+        if floats:
+            first[name] = floats[0].float()
+    return first
 
 
 def _wrong_modules(model: nn.Module, stock: nn.Module, samples: Sequence[torch.Tensor], mode: str,
