@@ -123,9 +123,10 @@ def prove_tiny_copy(model: nn.Module):
     from .proof import build_pair, prove
     from .shrink import shrink_config
 
-    with bypassed():
-        with torch.device("cpu"):  # from_pretrained builds under a meta-device context; the copy needs weights
-            packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
+    # from_pretrained may call this under its meta-device context (transformers 5.20 does): the copy and the
+    # proof's inputs need real data
+    with bypassed(), torch.device("cpu"):
+        packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
         return prove(packed, stock, stock_name=implementation)
 
 

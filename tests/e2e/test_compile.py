@@ -43,6 +43,11 @@ def _row(lengths: tuple[int, ...], seed: int = 0, *, flash_kwargs: bool = False)
     return packed_row(samples)
 
 
+def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The row's tokens as labels, -100 at every sample's first token (the label contract of packed rows)."""
+    return batch["input_ids"].masked_fill(batch["position_ids"] == 0, -100)
+
+
 def eager_then_compiled(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, autocast: bool = False):
     """``((loss, gradients), (loss, gradients))`` of one packed training step, eager then compiled with AOT
     autograd (so the backward of packfree's custom op runs); ``autocast``: inside bf16 autocast."""
@@ -50,7 +55,7 @@ def eager_then_compiled(model: torch.nn.Module, batch: dict[str, torch.Tensor], 
     def step(module) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = module(**batch, labels=batch["input_ids"], use_cache=False).loss
+            loss = module(**batch, labels=labels_of(batch), use_cache=False).loss
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -157,7 +162,7 @@ def test_attention_dropout_runs_in_the_graph_without_recompiles() -> None:
 
     def loss(module, lengths: tuple[int, ...]) -> torch.Tensor:
         batch = _row(lengths)
-        return module(**batch, labels=batch["input_ids"], use_cache=False).loss
+        return module(**batch, labels=labels_of(batch), use_cache=False).loss
 
     for lengths in ((5, 9, 3), (8, 9), (6, 10, 4)):
         loss(compiled, lengths).backward()

@@ -25,7 +25,17 @@ def test_deep_copy_of_a_hybrid_runs_its_own_weights() -> None:
     assert torch.equal(before, after), "changing the original's weights changed the copy's outputs"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2"])
+def _stock_pickles(model_type: str) -> bool:
+    """transformers before 5.24 builds models that stock pickle cannot write (a local class in its kernels'
+    fallback), so there is nothing for packfree to keep working there."""
+    try:
+        pickle.dumps(fresh_pair(model_type)[1])
+    except (AttributeError, pickle.PicklingError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("qwen3_next", "mamba2", "lfm2") if _stock_pickles(t)])
 def test_saved_and_loaded_hybrid_still_packs_exactly(model_type: str, tmp_path) -> None:
     """``torch.save(model)`` / ``pickle`` of a prepared hybrid loads back into a model that still keeps packed samples
     apart: each packed sample equals the stock twin on that sample alone."""

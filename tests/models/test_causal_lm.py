@@ -38,6 +38,11 @@ def alone_logits(stock, samples: list[torch.Tensor]) -> list[torch.Tensor]:
         return [stock(input_ids=s[None], use_cache=False).logits[0] for s in samples]
 
 
+def _returned_cache(out) -> object:
+    """The cache a forward returned (``cache`` in transformers 5.24, ``past_key_values`` before)."""
+    return out.get("cache", out.get("past_key_values"))
+
+
 def packed_batch(samples: list[torch.Tensor], source: str) -> dict:
     """One flattened row as a collator would send it; ``source`` picks which boundary fields it carries."""
     features = [{"input_ids": s.tolist()} for s in samples]
@@ -59,7 +64,7 @@ def test_packed_logits_equal_each_sample_alone(model_type: str, source: str, len
     with torch.no_grad():
         out = model(**packed_batch(samples, source))  # default use_cache, as a new user calls it
     if len(lengths) > 1:
-        assert out.cache is None, "a packed forward must not return a cache"
+        assert _returned_cache(out) is None, "a packed forward must not return a cache"
     for index, (piece, expected) in enumerate(zip(out.logits[0].split(lengths), alone_logits(stock, samples))):
         assert_close(piece, expected, atol=reference_tolerance(model_type), rtol=0,
                      what=f"{model_type}/{source} sample {index}")
@@ -179,11 +184,11 @@ def test_filled_cache_with_position_ids_restarting_is_refused() -> None:
     model, _ = pair("llama")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([random_samples([5])[0].tolist()]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([random_samples([5])[0].tolist()]), past_key_values=cache, use_cache=True)
         chunk = torch.tensor([random_samples([6], seed=3)[0].tolist()])
         with pytest.raises(ValueError, match="position_ids restarting at 0"):
-            model(input_ids=chunk, position_ids=torch.tensor([[5, 6, 7, 0, 1, 2]]), cache=cache)
-        model(input_ids=chunk, position_ids=torch.arange(5, 11)[None], cache=cache)  # continuing: fine
+            model(input_ids=chunk, position_ids=torch.tensor([[5, 6, 7, 0, 1, 2]]), past_key_values=cache)
+        model(input_ids=chunk, position_ids=torch.arange(5, 11)[None], past_key_values=cache)  # continuing: fine
 
 
 def test_use_cache_passed_positionally_is_turned_off_for_a_packed_row() -> None:
@@ -191,10 +196,10 @@ def test_use_cache_passed_positionally_is_turned_off_for_a_packed_row() -> None:
     samples = random_samples([3, 4])
     batch = packed_batch(samples, "position_ids")
     with torch.no_grad():
-        # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache, inputs_embeds,
+        # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache (past_key_values), inputs_embeds,
         #                          labels, use_cache, ...)
         out = model(batch["input_ids"], None, batch["position_ids"], None, None, None, True)
-    assert out.past_key_values is None
+    assert _returned_cache(out) is None
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "gpt2"])
