@@ -282,8 +282,17 @@ def load_results(version: str) -> list[Result]:
     return [Result(**r) for r in json.loads(VERIFIED_FILE.read_text()).get(version, {}).get("results", [])]
 
 
+def documented_version() -> str | None:
+    """The newest transformers version with recorded results: the one the matrix and the README document."""
+    from packaging.version import Version
+
+    versions = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
+    return max(versions, key=Version, default=None)
+
+
 def write_outputs(version: str, results: Sequence[Result], readme: Path | None) -> None:
-    """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`, the matrix file and the README section."""
+    """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`; for the newest version recorded, also the
+    matrix file and the README section."""
     data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
     exact: dict[str, list[str]] = {}
     proved: dict[str, dict] = {}
@@ -295,6 +304,8 @@ def write_outputs(version: str, results: Sequence[Result], readme: Path | None) 
     data[version] = {"exact": {k: sorted(set(v)) for k, v in sorted(exact.items())}, "switches": proved,
                      "results": [{k: v for k, v in asdict(r).items() if k != "switches"} for r in ordered]}
     VERIFIED_FILE.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
+    if version != documented_version():  # the matrix documents the newest transformers swept
+        return
     matrix = render_matrix(version, ordered)
     MATRIX_FILE.write_text(matrix)
     if readme is not None and readme.exists():
