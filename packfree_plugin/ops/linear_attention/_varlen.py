@@ -209,10 +209,10 @@ def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step, *per_chunk: 
     return extras, torch.cat(finished, dim=0)
 
 
-def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None):
-    """Shared checks of the fla-style ops: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``initial_state
-    [N, H, K, V]``, ``cu_seqlens``; ``other`` tensors (gates) are checked for dtype class and device only.
-    Returns ``(offsets, (B, T, H, K, V))``; raises ValueError naming the offending argument."""
+def check_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """Shared checks of the fla-style ops that need no host sync: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
+    ``initial_state [N, H, K, V]``, the form of ``cu_seqlens`` (not its values); ``other`` tensors (gates) are
+    checked for dtype class and device only. Returns ``(B, T, H, K, V)``; raises ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -228,11 +228,19 @@ def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | Non
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     V = v.shape[-1]
     check_same_device(q.device, k=k, v=v, initial_state=initial_state, **other)
-    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
-    N = len(offsets) - 1
+    if cu_seqlens is not None:
+        check_cu_seqlens_form(cu_seqlens, B, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
         raise ValueError(
             f"initial_state must have shape [N, H, K, V] = {[N, H, K, V]} (N = number of samples), "
             f"got {tuple(initial_state.shape)}"
         )
+    return B, T, H, K, V
+
+
+def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None):
+    """:func:`check_qkv` plus the values of ``cu_seqlens`` (a host sync). Returns ``(offsets, (B, T, H, K, V))``."""
+    B, T, H, K, V = check_qkv(q, k, v, initial_state, cu_seqlens, **other)
+    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
     return offsets, (B, T, H, K, V)
