@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from packfree_plugin.ops.ssd import ssd_chunk_scan, ssd_naive
+from packfree_plugin.ops.ssd import ssd_chunk_scan, naive_ssd
 
 F64 = torch.float64
 RATIO = 3.0
@@ -37,7 +37,7 @@ def test_ssd_fp32_error_within_stock():
     D = torch.ones(H, dtype=F64)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)[None]
     kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True)
-    ref = ssd_naive(x, dt, A, B, C, seq_idx=seq, **kw)
+    ref = naive_ssd(x, dt, A, B, C, seq_idx=seq, **kw)
     f = {k: v.float() for k, v in kw.items() if isinstance(v, torch.Tensor)}
     packed = ssd_chunk_scan(x.float(), dt.float(), A.float(), B.float(), C.float(), chunk_size=L, seq_idx=seq,
                             backend="torch", dt_softplus=True, **f)

@@ -22,7 +22,7 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops.linear_attention._varlen import (
+from packfree_plugin.ops._varlen import (
     chunk_layout,
     compute_dtype,
     run_chunk_steps,

@@ -25,7 +25,7 @@ in-chunk sum, so both terms of ``G_r - G_s`` start at the same token, as when th
 exponent between tokens of different samples is ``-inf`` (``A``, ``P``, ``k`` to the chunk end), and the carried
 state reaches only tokens that continue the sample running before the chunk. Rows are reshaped, never
 gathered: no host sync and no copy beyond the one layout change stock makes too. With per-sample initial
-states, chunks start on sample starts instead (see ``linear_attention/_varlen.py``).
+states, chunks start on sample starts instead (see ``ops/_varlen.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from packfree_plugin.ops._boundary_doc import with_boundary_doc
 from packfree_plugin.ops._seq import resolve_seq_idx
-from packfree_plugin.ops.linear_attention._varlen import (
+from packfree_plugin.ops._varlen import (
     ChunkLayout,
     check_qkv,
     chunk_layout,
