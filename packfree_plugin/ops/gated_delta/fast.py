@@ -275,6 +275,28 @@ def _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, *, per_ch
     return torch.where((cu[1:] > cu[:-1]).view(N, 1, 1, 1), S, torch.zeros_like(S))
 
 
+def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype):
+    """``(seq [M, C], cont [M, C], same [M, 1, C, C])`` for rows cut into chunks of ``C``: every token's sample
+    (padding slots join the row's last sample), whether it continues the sample running before its chunk, and
+    the in-chunk causal same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes
+    the same tensor), so they are built once per forward, not once per layer."""
+    key = ("_packfree_gdn_masks", seq_idx.shape, C, cdt, None if cu_seqlens is None else cu_seqlens._version)
+    cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
+    if key not in cache:
+        B, T = seq_idx.shape
+        pad = -T % C
+        seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
+        seq = seq.reshape(-1, C)
+        before = torch.cat([torch.full_like(seq[:1, :1], -1), seq[:-1, -1:]]).view(B, -1)
+        before[:, 0] = -1  # sample of the token before each chunk: none for a row's first chunk
+        cont = seq == before.reshape(-1, 1)
+        causal = torch.ones(C, C, dtype=torch.bool, device=seq.device).tril()
+        same = ((seq[:, :, None] == seq[:, None, :]) & causal).to(cdt)[:, None]
+        cache.clear()
+        cache[key] = (seq, cont, same)
+    return cache[key]
+
+
 def _prepare(q, k, scale, use_qk_l2norm_in_kernel):
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
@@ -294,19 +316,12 @@ def _run_rows(q, k, v, g, beta, seq_idx, *, scale, output_final_state, use_qk_l2
     C = chunk_size
     qc, kc = _prepare(_to_chunks(q, C, cdt), _to_chunks(k, C, cdt), scale, use_qk_l2norm_in_kernel)
     vc, bc, g_c = (_to_chunks(t, C, cdt) for t in (v, beta, g))
-    seq = cont = None
     if seq_idx is None:
+        seq = cont = None
         gc = g_c.cumsum(dim=2)
     else:
-        pad = -T % C
-        seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
-        seq = seq.reshape(-1, C)  # [M, C]; padding slots join the row's last sample (k = v = g = beta = 0)
-        before = torch.cat([torch.full_like(seq[:1, :1], -1), seq[:-1, -1:]]).view(B, -1)
-        before[:, 0] = -1  # sample of the token before each chunk: none for a row's first chunk
-        cont = seq == before.reshape(-1, 1)
-        same = ((seq[:, :, None] == seq[:, None, :]) & torch.ones(C, C, dtype=torch.bool, device=seq.device).tril())
+        seq, cont, same = _row_masks(seq_idx, cu_seqlens, C, cdt)
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
-        same = same.to(cdt)[:, None]
         gc = same @ g_c if per_channel else (same @ g_c[..., None]).squeeze(-1)
     P, U, W, qg, decay_last, k_end = _intra_blocks(qc, kc, vc, gc, bc, seq, cont, per_channel=per_channel)
     h_before, v_new, S = _row_states(qc.new_zeros(B, H, K, V), U, W, decay_last, k_end, B)
