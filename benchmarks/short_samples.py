@@ -9,6 +9,9 @@ and at a tiny width where per-call overhead shows, forward + backward in float32
 - ``x packfree unsplit``: packed / packfree's op on the same row without boundaries: the price of the boundaries.
 
 Boundaries sit inside chunks (no chunk per sample), so the packed row does the unsplit row's dense work.
+
+Per-forward overhead: tiny models (``packfree_plugin.tiny``), one forward of a 64-token row packed from 4 samples
+under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid.
 Minimum of interleaved repeats (the least disturbed run on a shared machine).
 ``python -m benchmarks.short_samples [--quick]``.
 """
@@ -102,8 +105,52 @@ def _conv(T: int, seq: torch.Tensor, channels: int, K: int) -> dict[str, Callabl
     return {"packed": ours(seq), "packfree unsplit": ours(None), "stock unsplit": stock}
 
 
+def overhead_rows(quick: bool = False) -> list[dict]:
+    """One forward, tiny width: packfree on 64 tokens packed from 4 samples vs stock on one 64-token sample."""
+    from transformers import AutoModelForCausalLM
+
+    import packfree_plugin
+    from packfree_plugin.tiny import tiny_config
+
+    packfree_plugin.register()
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).repeat(4)[None]
+    rows = []
+    for model_type in ("llama", "qwen3_next", "mamba2", "lfm2"):
+        models = {}
+        for implementation in ("packfree", "sdpa"):
+            torch.manual_seed(0)
+            try:
+                models[implementation] = AutoModelForCausalLM.from_config(
+                    tiny_config(model_type), attn_implementation=implementation).eval()
+            except ValueError:  # attention-free model: stock has no sdpa
+                models[implementation] = AutoModelForCausalLM.from_config(
+                    tiny_config(model_type), attn_implementation="eager").eval()
+
+        def forward(model, **inputs) -> Callable[[], None]:
+            def call() -> None:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False, **inputs)
+            return call
+
+        ms = _min_ms({"packed": forward(models["packfree"], position_ids=positions),
+                      "stock": forward(models["sdpa"])}, repeats=5 if quick else 30)
+        rows.append({"op": f"forward overhead, tiny {model_type}", "tokens": 64, "samples": 4,
+                     "packed ms": ms["packed"], "x stock unsplit": ms["packed"] / ms["stock"],
+                     "x packfree unsplit": None})
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _op_rows(quick) + overhead_rows(quick)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _op_rows(quick: bool) -> list[dict]:
     lengths = short_lengths()
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -128,8 +175,9 @@ def run(quick: bool = False) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| op | tokens (samples) | packed ms | × stock unsplit | × packfree unsplit |", "|---|---:|---:|---:|---:|"]
     for r in rows:
+        unsplit = "-" if r["x packfree unsplit"] is None else f"{r['x packfree unsplit']:.2f}"
         lines.append(f"| {r['op']} | {r['tokens']} ({r['samples']}) | {r['packed ms']:.2f} | "
-                     f"{r['x stock unsplit']:.2f} | {r['x packfree unsplit']:.2f} |")
+                     f"{r['x stock unsplit']:.2f} | {unsplit} |")
     return "\n".join(lines)
 
 
