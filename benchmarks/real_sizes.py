@@ -14,7 +14,8 @@ Per model, three figures a user decides on:
   packed row in float64: stock's torch paths run the Mamba2 and Gated DeltaNet scans in float32 even in a
   float64 model, while packfree's ops keep float64 (``tests/ops`` check them against per-sample references).
 
-Widths are those of the published configs (Qwen3-0.6B, Qwen3.5-0.8B, mamba2-370m, LFM2-350M,
+Depths are cut to fit 2 shared CPU cores (the step's depth, then the precision check's: 12 layers of mamba2-370m,
+4 of Qwen3.5-0.8B). Widths are those of the published configs (Qwen3-0.6B, Qwen3.5-0.8B, mamba2-370m, LFM2-350M,
 ModernBERT-base); weights are random (``from_config``), which changes no shape and no cost. Every case runs
 in its own subprocess (its own peak memory). ``python -m benchmarks.real_sizes [--quick]``.
 """
@@ -42,8 +43,9 @@ class Spec:
 
     model_type: str
     config: dict[str, Any]
-    layers: int
+    layers: int  # the training step's depth (time on 2 shared cores)
     published_layers: int
+    precision_layers: int
     layer_pattern: tuple[str, ...] = ()
     mixer: str | None = None  # layer type of its recurrent mixer (per-layer memory), None: no mixer row
     masked_lm: bool = False
@@ -53,25 +55,27 @@ class Spec:
 MODELS: dict[str, Spec] = {
     "Qwen3-0.6B": Spec("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                                      num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                     tie_word_embeddings=True, rope_theta=1e6), layers=4, published_layers=28),
+                                     tie_word_embeddings=True, rope_theta=1e6), layers=2, published_layers=28,
+                       precision_layers=4),
     "Qwen3.5-0.8B": Spec("qwen3_5_text", dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
                                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                                               linear_num_value_heads=16, linear_key_head_dim=128,
                                               linear_value_head_dim=128, linear_conv_kernel_dim=4,
                                               vocab_size=248320, tie_word_embeddings=True),
-                         layers=4, published_layers=24,
+                         layers=4, published_layers=24, precision_layers=4,
                          layer_pattern=("linear_attention",) * 3 + ("full_attention",), mixer="linear_attention"),
     "mamba2-370m": Spec("mamba2", dict(hidden_size=1024, num_heads=32, head_dim=64, state_size=128, n_groups=1,
                                        expand=2, conv_kernel=4, chunk_size=256, vocab_size=50288,
-                                       tie_word_embeddings=True), layers=12, published_layers=48, mixer="mamba2",
+                                       tie_word_embeddings=True), layers=4, published_layers=48, precision_layers=12,
+                        mixer="mamba2",
                         stock="eager"),
     "LFM2-350M": Spec("lfm2", dict(hidden_size=1024, intermediate_size=6656, num_attention_heads=16,
                                    num_key_value_heads=8, conv_L_cache=3, vocab_size=65536, tie_word_embeddings=True),
-                      layers=6, published_layers=16,
+                      layers=3, published_layers=16, precision_layers=6,
                       layer_pattern=("conv", "conv", "full_attention", "conv", "conv", "full_attention")),
     "ModernBERT-base": Spec("modernbert", dict(hidden_size=768, intermediate_size=1152, num_attention_heads=12,
                                                vocab_size=50368, local_attention=128),
-                            layers=6, published_layers=22, masked_lm=True,
+                            layers=3, published_layers=22, precision_layers=6, masked_lm=True,
                             layer_pattern=("full_attention", "sliding_attention", "sliding_attention")),
 }
 MEMORY_DEPTHS = (1, 3)
@@ -177,9 +181,10 @@ def precision_case(name: str) -> dict:
 
     torch.set_num_threads(2)
     lengths = list(PRECISION_LENGTHS)
-    reference = build(name, "packfree", dtype=torch.float64).eval()
-    stock32 = build(name, None).eval()
-    packed32 = build(name, "packfree").eval()
+    layers = MODELS[name].precision_layers
+    reference = build(name, "packfree", layers=layers, dtype=torch.float64).eval()
+    stock32 = build(name, None, layers=layers).eval()
+    packed32 = build(name, "packfree", layers=layers).eval()
     batch = _batch("packed", lengths, reference.config.vocab_size)
     ids, positions = batch["input_ids"], batch["position_ids"]
     kwargs = {} if MODELS[name].masked_lm else {"use_cache": False}
@@ -209,7 +214,8 @@ def run(quick: bool = False, models: list[str] | None = None) -> list[dict]:
     rows = []
     for name in models or list(MODELS):
         spec = MODELS[name]
-        row: dict[str, Any] = {"model": name, "layers": f"{spec.layers} of {spec.published_layers}"}
+        row: dict[str, Any] = {"model": name, "layers": f"{spec.layers} of {spec.published_layers}",
+                               "precision layers": spec.precision_layers}
         packed = _subprocess("step", name, "packed", str(spec.layers), "0", str(repeats))
         padded = _subprocess("step", name, "padded", str(spec.layers), "0", str(repeats))
         row.update(packed_s=packed.get("seconds"), padded_s=padded.get("seconds"),
@@ -232,7 +238,7 @@ def _fmt(value: Any, spec: str) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| model | layers | step s: packed / padded (×) | peak extra MiB: packed / padded | "
-        "MiB per mixer layer: packfree / stock unsplit | fp32 err vs float64: packfree / stock (×) |",
+        "MiB per mixer layer: packfree / stock unsplit | fp32 err vs float64 (layers): packfree / stock (×) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -242,8 +248,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['layers']} | {_fmt(r.get('packed_s'), '.2f')} / {_fmt(r.get('padded_s'), '.2f')} "
             f"({_fmt(ratio, '.2f')}) | {_fmt(r.get('packed_mib'), '.0f')} / {_fmt(r.get('padded_mib'), '.0f')} | "
-            f"{layer} | {_fmt(r.get('fp32_err_packfree'), '.1e')} / {_fmt(r.get('fp32_err_stock'), '.1e')} "
-            f"({_fmt(r.get('err_ratio'), '.2f')}) |"
+            f"{layer} | ({r['precision layers']}) {_fmt(r.get('fp32_err_packfree'), '.1e')} / "
+            f"{_fmt(r.get('fp32_err_stock'), '.1e')} ({_fmt(r.get('err_ratio'), '.2f')}) |"
         )
     return "\n".join(lines)
 
