@@ -239,18 +239,25 @@ def _from_chunks(o: torch.Tensor, B: int, T: int, dtype: torch.dtype) -> torch.T
     return out.view(B, M // B * C, H, V)[:, :T]
 
 
-def _row_states(S, U, W, decay_last, k_end, B: int):
-    """Chunk-to-chunk state recurrence of every row: ``U, W, k_end [B*nc, H, C, *]``, ``decay_last``
-    ``[B*nc, H, K or 1, 1]``. Returns the state entering every chunk ``[B*nc, H, K, V]``, ``v_new`` per chunk
-    ``[B*nc, H, C, V]`` and every row's end state ``[B, H, K, V]``."""
-    entering, news = [], []
+def _row_states(S, qg, P, U, W, decay_last, k_end, B: int, *, keep: bool):
+    """Chunk-to-chunk state recurrence of every row and the output of every chunk: ``qg, U, W, k_end``
+    ``[B*nc, H, C, *]``, ``P [B*nc, H, C, C]``, ``decay_last [B*nc, H, K or 1, 1]``, ``S [B, H, K, V]`` zeros.
+    Returns ``o [B*nc, H, C, V]``, every row's end state ``[B, H, K, V]`` and, if ``keep``, the state entering
+    every chunk ``[B*nc, H, K, V]`` and ``v_new [B*nc, H, C, V]`` (else None). Each chunk's output is taken in
+    the loop from the state backward keeps anyway: no stacked copy of the states is saved."""
+    entering, news, outs = [], [], []
     # unbind, not indexing: the backward stacks once instead of scattering into nc zero tensors
-    for u, w, dl, ke in zip(*(t.unflatten(0, (B, -1)).unbind(1) for t in (U, W, decay_last, k_end))):
+    for q_c, p_c, u, w, dl, ke in zip(*(t.unflatten(0, (B, -1)).unbind(1) for t in (qg, P, U, W, decay_last, k_end))):
         v = u - w @ S
-        entering.append(S)
-        news.append(v)
+        outs.append(q_c @ S + p_c @ v)
+        if keep:
+            entering.append(S)
+            news.append(v)
         S = S * dl + ke.transpose(-1, -2) @ v
-    return torch.stack(entering, 1).flatten(0, 1), torch.stack(news, 1).flatten(0, 1), S
+    o = torch.stack(outs, 1).flatten(0, 1)
+    if not keep:
+        return o, S, None
+    return o, S, (torch.stack(entering, 1).flatten(0, 1), torch.stack(news, 1).flatten(0, 1))
 
 
 def _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, *, per_channel: bool):
@@ -324,13 +331,13 @@ def _run_rows(q, k, v, g, beta, seq_idx, *, scale, output_final_state, use_qk_l2
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
         gc = same @ g_c if per_channel else (same @ g_c[..., None]).squeeze(-1)
     P, U, W, qg, decay_last, k_end = _intra_blocks(qc, kc, vc, gc, bc, seq, cont, per_channel=per_channel)
-    h_before, v_new, S = _row_states(qc.new_zeros(B, H, K, V), U, W, decay_last, k_end, B)
-    o = _from_chunks(qg @ h_before + P @ v_new, B, T, q.dtype)
-    final = None
-    if output_final_state:
-        final = S if cu_seqlens is None else _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before,
-                                                                 per_channel=per_channel)
-    return o, final
+    per_sample_ends = output_final_state and cu_seqlens is not None
+    o, S, kept = _row_states(qc.new_zeros(B, H, K, V), qg, P, U, W, decay_last, k_end, B, keep=per_sample_ends)
+    final = S if output_final_state else None
+    if per_sample_ends:
+        h_before, v_new = kept
+        final = _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, per_channel=per_channel)
+    return _from_chunks(o, B, T, q.dtype), final
 
 
 def _run_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
