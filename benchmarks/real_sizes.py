@@ -204,8 +204,9 @@ def _subprocess(*args: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "benchmarks.real_sizes", "--case", *args],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["failed"])[-1]
-        return {"error": last[:200]}
+        killed = result.returncode in (-9, 137)  # the kernel's OOM killer
+        last = (result.stderr.strip().splitlines() or [""])[-1]
+        return {"error": "out of memory (killed)" if killed else f"failed: {last[:160]}"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -220,6 +221,8 @@ def run(quick: bool = False, models: list[str] | None = None) -> list[dict]:
         padded = _subprocess("step", name, "padded", str(spec.layers), "0", str(repeats))
         row.update(packed_s=packed.get("seconds"), padded_s=padded.get("seconds"),
                    packed_mib=packed.get("peak_extra_mib"), padded_mib=padded.get("peak_extra_mib"))
+        row.update({f"{mode}_error": case["error"] for mode, case in (("packed", packed), ("padded", padded))
+                    if "error" in case})
         if spec.mixer is not None:
             for mode, key in (("packed", "layer_mib_packfree"), ("unsplit", "layer_mib_stock_unsplit")):
                 lo, hi = (_subprocess("step", name, mode, str(d), "1", "0") for d in MEMORY_DEPTHS)
@@ -242,12 +245,15 @@ def markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "padded_error" in r:  # what stock's padded step hit instead of a time
+            r = {**r, "padded_s": None, "padded_mib": None}
         ratio = r["packed_s"] / r["padded_s"] if r.get("packed_s") and r.get("padded_s") else None
+        padded = r.get("padded_error") or f"{_fmt(r.get('padded_s'), '.2f')} ({_fmt(ratio, '.2f')})"
         layer = ("-" if "layer_mib_packfree" not in r else
                  f"{r['layer_mib_packfree']:.0f} / {_fmt(r.get('layer_mib_stock_unsplit'), '.0f')}")
         lines.append(
-            f"| {r['model']} | {r['layers']} | {_fmt(r.get('packed_s'), '.2f')} / {_fmt(r.get('padded_s'), '.2f')} "
-            f"({_fmt(ratio, '.2f')}) | {_fmt(r.get('packed_mib'), '.0f')} / {_fmt(r.get('padded_mib'), '.0f')} | "
+            f"| {r['model']} | {r['layers']} | {_fmt(r.get('packed_s'), '.2f')} / {padded} | "
+            f"{_fmt(r.get('packed_mib'), '.0f')} / {_fmt(r.get('padded_mib'), '.0f')} | "
             f"{layer} | ({r['precision layers']}) {_fmt(r.get('fp32_err_packfree'), '.1e')} / "
             f"{_fmt(r.get('fp32_err_stock'), '.1e')} ({_fmt(r.get('err_ratio'), '.2f')}) |"
         )
