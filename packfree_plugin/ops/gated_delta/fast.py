@@ -179,6 +179,13 @@ def _intra_chunk(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
     return P, T_inv @ v, T_inv @ kg, qg, decay_last, k_end
 
 
+KDA_CHUNKS_PER_BLOCK = 16
+"""KDA's per-channel Gram matrices build ``[M, H, C, K]``-sized intermediates at every halving level; computed
+16 chunks at a time they stay in cache. Measured (fwd+bwd, 4096 tokens in 16 samples, H=8, K=V=128, 1 thread):
+1.07-1.10 s against 1.39-1.44 s all at once. Gated DeltaNet's scalar-decay path is faster all at once (blocks of
+16 were 10-15% slower)."""
+
+
 def _intra_blocks(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
     """:func:`_intra_chunk` over all ``M`` chunks (KDA in blocks of :data:`KDA_CHUNKS_PER_BLOCK`)."""
     if not per_channel:
@@ -187,13 +194,6 @@ def _intra_blocks(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
     parts = [t.split(n) if t is not None else [None] * (-(-q.shape[0] // n)) for t in (q, k, v, gc, beta, seq, cont)]
     blocks = [_intra_chunk(*piece, per_channel=True) for piece in zip(*parts)]
     return tuple(torch.cat(part) for part in zip(*blocks))
-
-
-KDA_CHUNKS_PER_BLOCK = 16
-"""KDA's per-channel Gram matrices build ``[M, H, C, K]``-sized intermediates at every halving level; computed
-16 chunks at a time they stay in cache. Measured (fwd+bwd, 4096 tokens in 16 samples, H=8, K=V=128, 1 thread):
-1.07-1.10 s against 1.39-1.44 s all at once. Gated DeltaNet's scalar-decay path is faster all at once (blocks of
-16 were 10-15% slower)."""
 
 
 def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channel: bool):
@@ -239,7 +239,9 @@ def _from_chunks(o: torch.Tensor, B: int, T: int, dtype: torch.dtype) -> torch.T
     return out.view(B, M // B * C, H, V)[:, :T]
 
 
-def _row_states(S, qg, P, U, W, decay_last, k_end, B: int, *, keep: bool):
+def _row_states(S: torch.Tensor, qg: torch.Tensor, P: torch.Tensor, U: torch.Tensor, W: torch.Tensor,
+                decay_last: torch.Tensor, k_end: torch.Tensor, B: int, *, keep: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Chunk-to-chunk state recurrence of every row and the output of every chunk: ``qg, U, W, k_end``
     ``[B*nc, H, C, *]``, ``P [B*nc, H, C, C]``, ``decay_last [B*nc, H, K or 1, 1]``, ``S [B, H, K, V]`` zeros.
     Returns ``o [B*nc, H, C, V]``, every row's end state ``[B, H, K, V]`` and, if ``keep``, the state entering
@@ -260,7 +262,9 @@ def _row_states(S, qg, P, U, W, decay_last, k_end, B: int, *, keep: bool):
     return o, S, (torch.stack(entering, 1).flatten(0, 1), torch.stack(news, 1).flatten(0, 1))
 
 
-def _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, *, per_channel: bool):
+def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.Tensor, gc: torch.Tensor,
+                       kc: torch.Tensor, v_new: torch.Tensor, h_before: torch.Tensor, *, per_channel: bool
+                       ) -> torch.Tensor:
     """Final state of every sample of a flattened row (B == 1): its chunk's entering state decayed to the sample's
     last token plus that chunk's tokens of the sample. ``seq/cont [M, C]``, ``gc [M, H, C(, K)]``,
     ``kc [M, H, C, K]``, ``v_new [M, H, C, V]``, ``h_before [M, H, K, V]``. Returns ``[N, H, K, V]``."""
@@ -282,12 +286,13 @@ def _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, *, per_ch
     return torch.where((cu[1:] > cu[:-1]).view(N, 1, 1, 1), S, torch.zeros_like(S))
 
 
-def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype):
+def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(seq [M, C], cont [M, C], same [M, 1, C, C])`` for rows cut into chunks of ``C``: every token's sample
     (padding slots join the row's last sample), whether it continues the sample running before its chunk, and
     the in-chunk causal same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes
     the same tensor), so they are built once per forward, not once per layer."""
-    key = ("_packfree_gdn_masks", seq_idx.shape, C, cdt, None if cu_seqlens is None else cu_seqlens._version)
+    key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
     cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
     if key not in cache:
         B, T = seq_idx.shape
@@ -304,15 +309,20 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     return cache[key]
 
 
-def _prepare(q, k, scale, use_qk_l2norm_in_kernel):
+def _prepare(q: torch.Tensor, k: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional L2 norm of ``q, k [..., K]`` over K, then ``q * scale``."""
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return q * scale, k
 
 
-def _run_rows(q, k, v, g, beta, seq_idx, *, scale, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-              chunk_size, per_channel):
-    """No initial states: rows cut into fixed chunks, boundaries inside chunks (module docstring)."""
+def _run_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              seq_idx: torch.Tensor | None, *, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+              cu_seqlens: torch.Tensor | None, chunk_size: int, per_channel: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No initial states: rows cut into fixed chunks, boundaries inside chunks (module docstring). Shapes as
+    :func:`chunk_gated_delta_rule_torch` / :func:`chunk_kda_torch`; ``seq_idx [B, T]`` or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     cdt = compute_dtype(q.dtype)
