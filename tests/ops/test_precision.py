@@ -1,7 +1,7 @@
-"""fp32 precision at realistic decay ranges, every mixer family: the packed fp32 error against the float64
-per-sample reference is at most 3x the error of stock transformers' own fp32 torch path run on each sample alone
-(for the families stock has no standalone torch function for, decay linear attention and the diagonal LRU: a
-sequential fp32 recurrence on each sample alone)."""
+"""fp32 and bf16 precision at realistic decay ranges, every mixer family: the packed error against the float64
+per-sample reference is at most 3x the error of stock transformers' own torch path run on each sample alone in
+the same dtype (for the families stock has no standalone torch function for, decay linear attention and the
+diagonal LRU: a sequential recurrence on each sample alone)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan
 
 F64 = torch.float64
 RATIO = 3.0
+pytestmark = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 LENGTHS = [300, 180, 290]
 
 
@@ -40,14 +41,14 @@ def _per_sample(fn, lengths: list[int], dim: int, *tensors: torch.Tensor) -> tor
 def _check(packed32: torch.Tensor, stock32: torch.Tensor, ref64: torch.Tensor) -> None:
     ours = (packed32.double() - ref64).abs().max().item()
     theirs = (stock32.double() - ref64).abs().max().item()
-    assert ours <= RATIO * theirs, f"packed fp32 error {ours:.2e} > {RATIO} x stock's {theirs:.2e}"
+    assert ours <= RATIO * theirs, f"packed error {ours:.2e} > {RATIO} x stock's {theirs:.2e}"
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def test_ssd():
+def test_ssd(dtype):
     from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
     gen = _gen(0)
@@ -58,11 +59,11 @@ def test_ssd():
     dt0 = torch.exp(torch.rand(H, generator=gen, dtype=F64) * math.log(100.0) + math.log(1e-3))
     opts = dict(D=torch.ones(H, dtype=F64), dt_bias=dt0 + torch.log(-torch.expm1(-dt0)))
     ref = naive_ssd(x, dt, A, B, C, seq_idx=_seq(LENGTHS), dt_softplus=True, **opts)
-    f = {k: v.float() for k, v in opts.items()}
-    packed = ssd_chunk_scan(x.float(), dt.float(), A.float(), B.float(), C.float(), chunk_size=L, seq_idx=_seq(LENGTHS),
+    f = {k: v.to(dtype) for k, v in opts.items()}
+    packed = ssd_chunk_scan(x.to(dtype), dt.to(dtype), A.to(dtype), B.to(dtype), C.to(dtype), chunk_size=L, seq_idx=_seq(LENGTHS),
                             backend="torch", dt_softplus=True, **f)
-    stock = _per_sample(lambda x_, dt_, B_, C_: mamba2_chunk_scan(x_, dt_, A.float(), B_, C_, L, dt_softplus=True, **f),
-                        LENGTHS, 1, x.float(), dt.float(), B.float(), C.float())
+    stock = _per_sample(lambda x_, dt_, B_, C_: mamba2_chunk_scan(x_, dt_, A.to(dtype), B_, C_, L, dt_softplus=True, **f),
+                        LENGTHS, 1, x.to(dtype), dt.to(dtype), B.to(dtype), C.to(dtype))
     _check(packed, stock, ref)
 
 
@@ -80,7 +81,7 @@ def _delta_inputs(per_channel: bool, seed: int):
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
-def test_gated_delta(family):
+def test_gated_delta(family, dtype):
     per_channel = family == "kda"
     if per_channel:
         from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention as stock_fn
@@ -89,13 +90,13 @@ def test_gated_delta(family):
     fast, naive = (chunk_kda, naive_kda) if per_channel else (chunk_gated_delta_rule, naive_gated_delta_rule)
     tensors = _delta_inputs(per_channel, seed=1)
     ref, _ = naive(*tensors, cu_seqlens=_cu(LENGTHS), use_qk_l2norm_in_kernel=True)
-    f32 = [t.float() for t in tensors]
-    packed, _ = fast(*f32, cu_seqlens=_cu(LENGTHS), use_qk_l2norm_in_kernel=True, backend="torch")
-    stock = _per_sample(lambda *t: stock_fn(*t, use_qk_l2norm_in_kernel=True)[0], LENGTHS, 1, *f32)
+    low = [t.to(dtype) for t in tensors]
+    packed, _ = fast(*low, cu_seqlens=_cu(LENGTHS), use_qk_l2norm_in_kernel=True, backend="torch")
+    stock = _per_sample(lambda *t: stock_fn(*t, use_qk_l2norm_in_kernel=True)[0], LENGTHS, 1, *low)
     _check(packed, stock, ref)
 
 
-def test_conv():
+def test_conv(dtype):
     from transformers.models.mamba.modeling_mamba import causal_conv1d_fn as stock_fn
 
     gen = _gen(2)
@@ -103,13 +104,13 @@ def test_conv():
     x = torch.randn(1, T, Cch, generator=gen, dtype=F64)
     w, b = torch.randn(Cch, K, generator=gen, dtype=F64) * 0.5, torch.randn(Cch, generator=gen, dtype=F64)
     ref = _per_sample(lambda x_: naive_causal_conv1d(x_, w, b, activation="silu"), LENGTHS, 1, x)
-    packed = causal_conv1d(x.float(), w.float(), b.float(), activation="silu", seq_idx=_seq(LENGTHS), backend="torch")
-    stock = _per_sample(lambda x_: stock_fn(x_.transpose(1, 2), w.float(), b.float(), activation="silu").transpose(1, 2),
-                        LENGTHS, 1, x.float())
+    packed = causal_conv1d(x.to(dtype), w.to(dtype), b.to(dtype), activation="silu", seq_idx=_seq(LENGTHS), backend="torch")
+    stock = _per_sample(lambda x_: stock_fn(x_.transpose(1, 2), w.to(dtype), b.to(dtype), activation="silu").transpose(1, 2),
+                        LENGTHS, 1, x.to(dtype))
     _check(packed, stock, ref)
 
 
-def test_selective_scan():
+def test_selective_scan(dtype):
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan as stock_fn
 
     gen = _gen(3)
@@ -119,31 +120,31 @@ def test_selective_scan():
     B, C = torch.randn(1, N, T, generator=gen, dtype=F64), torch.randn(1, N, T, generator=gen, dtype=F64)
     opts = dict(D=torch.ones(D, dtype=F64), delta_bias=torch.rand(D, generator=gen, dtype=F64), delta_softplus=True)
     ref = naive_selective_scan(u, delta, A, B, C, seq_idx=_seq(LENGTHS), **opts)
-    f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
-    packed = selective_scan(u.float(), delta.float(), A.float(), B.float(), C.float(), seq_idx=_seq(LENGTHS), **f)
-    stock = _per_sample(lambda u_, d_, B_, C_: stock_fn(u_, d_, A.float(), B_, C_, **f), LENGTHS, 2,
-                        u.float(), delta.float(), B.float(), C.float())
+    f = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    packed = selective_scan(u.to(dtype), delta.to(dtype), A.to(dtype), B.to(dtype), C.to(dtype), seq_idx=_seq(LENGTHS), **f)
+    stock = _per_sample(lambda u_, d_, B_, C_: stock_fn(u_, d_, A.to(dtype), B_, C_, **f), LENGTHS, 2,
+                        u.to(dtype), delta.to(dtype), B.to(dtype), C.to(dtype))
     _check(packed, stock, ref)
 
 
-def test_linear_attention():
+def test_linear_attention(dtype):
     gen = _gen(4)
     H, K, T = 4, 64, sum(LENGTHS)
     q, k, v = (torch.randn(1, T, H, K, generator=gen, dtype=F64) for _ in range(3))
     g = -F.softplus(torch.randn(1, T, H, generator=gen, dtype=F64))
     ref, _ = naive_linear_attention(q, k, v, g, cu_seqlens=_cu(LENGTHS))
-    f32 = [t.float() for t in (q, k, v, g)]
-    packed, _ = chunk_linear_attention(*f32, cu_seqlens=_cu(LENGTHS))
-    stock = _per_sample(lambda *t: naive_linear_attention(*t)[0], LENGTHS, 1, *f32)
+    low = [t.to(dtype) for t in (q, k, v, g)]
+    packed, _ = chunk_linear_attention(*low, cu_seqlens=_cu(LENGTHS))
+    stock = _per_sample(lambda *t: naive_linear_attention(*t)[0], LENGTHS, 1, *low)
     _check(packed, stock, ref)
 
 
-def test_lru():
+def test_lru(dtype):
     gen = _gen(5)
     T, D = sum(LENGTHS), 256
     a = torch.sigmoid(torch.randn(1, T, D, generator=gen, dtype=F64) + 4.0)  # RG-LRU: a close to 1
     b = torch.randn(1, T, D, generator=gen, dtype=F64)
     ref, _ = naive_linear_recurrence(a, b, cu_seqlens=_cu(LENGTHS))
-    packed, _ = linear_recurrence(a.float(), b.float(), cu_seqlens=_cu(LENGTHS))
-    stock = _per_sample(lambda a_, b_: naive_linear_recurrence(a_, b_)[0], LENGTHS, 1, a.float(), b.float())
+    packed, _ = linear_recurrence(a.to(dtype), b.to(dtype), cu_seqlens=_cu(LENGTHS))
+    stock = _per_sample(lambda a_, b_: naive_linear_recurrence(a_, b_)[0], LENGTHS, 1, a.to(dtype), b.to(dtype))
     _check(packed, stock, ref)
