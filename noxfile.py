@@ -48,7 +48,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """On a CUDA machine with a CUDA torch (< 8 min, installs included): installs transformers, kernels and fla,
+    """On a CUDA machine with a CUDA torch (sized for < 8 min, installs included): installs transformers, kernels, fla,
     tries flash-attn / mamba-ssm / causal-conv1d as prebuilt wheels (skipped if they do not install in time), then
     checks packfree against stock transformers on the same GPU; writes gpu-results/gpu.md and gpu.json.
     ``nox -s gpu -- --dry-run`` runs every check on the CPU with no CUDA call and installs nothing."""
