@@ -60,12 +60,17 @@ def sweep(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Speed and memory ratios against baselines measured in the same run (never asserted in tests)."""
+    """Speed and memory ratios against baselines measured in the same run (never asserted in tests), the
+    real-sizes table included; ``nox -s bench -- --quick`` for one repeat."""
     _install(session)
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """On a CUDA machine, in its own environment: each CUDA backend against the CPU reference, timed."""
-    session.run("python", "-m", "benchmarks.gpu_check", *session.posargs, env={"PYTHONPATH": os.getcwd()})
+    """On a CUDA machine with a CUDA torch (sized for < 8 min, installs included): installs transformers, kernels, fla,
+    tries flash-attn / mamba-ssm / causal-conv1d as prebuilt wheels (skipped if they do not install in time), then
+    checks packfree against stock transformers on the same GPU; writes gpu-results/gpu.md and gpu.json.
+    ``nox -s gpu -- --dry-run`` runs every check on the CPU with no CUDA call and installs nothing."""
+    install = [] if "--dry-run" in session.posargs else ["--install", "--install-timeout", "60"]
+    session.run("python", "-m", "benchmarks.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})

@@ -12,6 +12,8 @@ SUITES = {
     "linear-attention / recurrences": "benchmarks.ops_linear",
     "conv / SSD / selective scan": "benchmarks.ops_scan_conv",
     "native vs generic tier (MiniMax, RecurrentGemma)": "benchmarks.native_tiers",
+    "short samples (16 of 4-32 tokens)": "benchmarks.short_samples",
+    "real sizes (published widths)": "benchmarks.real_sizes",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
     "compiled training step (inductor)": "benchmarks.compiled",
 }

@@ -1,115 +1,226 @@
-"""GPU check (``nox -s gpu`` on a CUDA machine): each CUDA backend against the CPU reference, and timed.
+"""GPU check (``nox -s gpu``): packfree on a CUDA machine against stock transformers on the same GPU, in one command.
 
-For every fused varlen attention backend that loads here, a packed bf16 batch (16 samples of skewed
-lengths, causal, GQA, with and without a sliding window) is run through it and through packfree's
-portable path on the CPU in float32; the table gives the max difference and the fwd+bwd time against
-the portable path on the same GPU. Each mixer op's CUDA route (causal-conv1d,
-fla GDN/KDA, mamba-ssm SSD; whichever installs) is compared with packfree's torch path on the same
-packed inputs and timed against it. A tiny Llama then runs a packed row end to end on the GPU with
-``attn_implementation="packfree"`` and is compared with each sample alone, and compiled packed training
-steps (Llama, Qwen3-Next, Mamba2) are compared with eager and their graphs counted. Every check reports its own
-failure instead of stopping the script. Prints Markdown; exit code 1 if any available check fails.
+What it compares (every row says ``ok``, ``MISMATCH``, ``skipped (...)`` or ``error: ...``; a failing check never
+stops the others):
+
+1. **install**: ``flash-linear-attention`` (fla, Triton) from the registry; ``flash-attn``, ``mamba-ssm`` and
+   ``causal-conv1d`` as prebuilt wheels only, each under a time limit, skipped if they do not install in time.
+2. **attention**: a packed bf16 row (16 samples of skewed lengths, GQA) at head_dim 128, 256 and 512, without a
+   window and with both sliding-window conventions (causal ``i - W < j <= i``; bidirectional ``|i - j| <= W``),
+   through every fused varlen backend that loads (torch varlen, flash-attn, kernels-hub) and packfree's portable
+   path on the GPU, against the float32 CPU reference; max difference and fwd+bwd time vs the portable path.
+3. **mixer ops**: each CUDA route (causal-conv1d, fla GDN/KDA, mamba-ssm SSD) against packfree's torch path on
+   the same packed inputs, timed against it.
+4. **stock**: models at small width (Llama head_dim 128 and 512, Gemma3 head_dim 256 with a causal sliding
+   window, ModernBERT with a bidirectional one): packfree's packed row and stock transformers on the same row
+   packed by ``DataCollatorWithFlattening`` (``sdpa``, and ``flash_attention_2`` where flash-attn installed),
+   each against stock ``sdpa`` on every sample alone; max logit difference and forward+backward time
+   (``x_packfree_time``: stock's time / packfree's).
+5. **compiled**: packed bf16 training steps under ``torch.compile`` (Llama, Qwen3-Next, Mamba2) against eager.
+
+Everything lands in one folder (``--out``, default ``gpu-results/``): ``gpu.md`` (one Markdown table) and
+``gpu.json``. Exit code 1 if any check that ran failed. ``--dry-run`` runs every check on the CPU in float32 at
+small sizes with no CUDA call (kernel packages and varlen backends report themselves missing, compiled steps
+use the ``aot_eager`` backend): it is what the tests run, so the script works the first time on a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from benchmarks.attention import skewed_lengths
-from packfree_plugin.attention.interface import run_packed_attention
-from packfree_plugin.attention.reference import AttentionOptions
-from packfree_plugin.attention.varlen import VARLEN_BACKENDS
-from packfree_plugin.boundaries import Boundaries
+OPTIONAL_WHEELS = ("flash-attn", "mamba-ssm", "causal-conv1d")
+REQUIRED = ("transformers==5.24.0", "kernels>=0.10", "flash-linear-attention")
+HEAD_DIMS = (128, 256, 512)
+WINDOWS: tuple[tuple[str, int | None, bool], ...] = (("none", None, True), ("causal W=512", 512, True),
+                                                     ("bidirectional W=128", 128, False))
 
 
-def _timed(fn, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
+@dataclass(frozen=True)
+class Env:
+    """Where the check runs: ``device``/``dtype`` of the checked runs and the problem size."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokens: int
+    dry_run: bool
+    repeats: int
+
+    @classmethod
+    def make(cls, dry_run: bool, tokens: int | None = None) -> Env:
+        if dry_run:
+            return cls(torch.device("cpu"), torch.float32, tokens=tokens or 256, dry_run=True, repeats=1)
+        return cls(torch.device("cuda"), torch.bfloat16, tokens=tokens or 8192, dry_run=False, repeats=5)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Mean seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            fn()
+        self.sync()
+        return (time.perf_counter() - start) / self.repeats
 
 
-def attention_rows(tokens: int = 8192) -> list[dict]:
-    lengths = skewed_lengths(tokens)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    boundaries = Boundaries.from_position_ids(positions)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, 16, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
-    k = torch.randn(1, 4, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
-    v = torch.randn(1, 4, tokens, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+def skewed_lengths(total: int, samples: int = 16, seed: int = 0) -> list[int]:
+    """``samples`` lengths >= 1 summing to ``total``, a few long and many short."""
+    raw = torch.rand(samples, generator=torch.Generator().manual_seed(seed)).pow(3.0) + 0.02
+    lengths = (raw / raw.sum() * (total - samples)).floor().long() + 1
+    lengths[0] += total - int(lengths.sum())
+    return lengths.tolist()
+
+
+def _error(row: dict, error: BaseException) -> dict:
+    return row | {"status": f"error: {error!r}"[:240]}
+
+
+# ----------------------------------------------------------------------------------------------- installs
+def _pip(*args: str, timeout: float) -> tuple[bool, str]:
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s"
+    tail = (done.stderr.strip().splitlines() or [""])[-1]
+    return done.returncode == 0, tail[:160]
+
+
+def install_rows(timeout: float, *, dry_run: bool) -> list[dict]:
+    """pip-install transformers, kernels and fla (the installed torch pinned), then each optional CUDA package as a
+    prebuilt wheel only; every install within ``timeout`` seconds. A failed install is a skip, not an error: the
+    checks that need the package then say it is missing."""
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+    plan = [("required: " + ", ".join(REQUIRED), (*REQUIRED, torch_pin))]
+    plan += [(name, (name, "--only-binary=:all:", "--no-deps")) for name in OPTIONAL_WHEELS]
     rows = []
-    for window in (None, 512):
-        options = AttentionOptions(scale=128**-0.5, causal=True, window=window)
-        cpu_boundaries = Boundaries.from_position_ids(positions.cpu())
-        expected = run_packed_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu_boundaries, options,
-                                        backend="segments")
-
-        def fwd_bwd(backend: str) -> None:
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            run_packed_attention(qq, kk, vv, boundaries, options, backend=backend).float().sum().backward()
-
-        portable = _timed(lambda: fwd_bwd("segments"))
-        for backend in VARLEN_BACKENDS:
-            row = {"check": f"attention {backend.name}", "window": window, "tokens": tokens}
-            if not backend.available():
-                rows.append(row | {"status": "not installed"})
-                continue
-            try:
-                out = run_packed_attention(q, k, v, boundaries, options, backend=backend.name)
-                diff = (out.float().cpu() - expected).abs().max().item()
-                seconds = _timed(lambda name=backend.name: fwd_bwd(name))
-                rows.append(row | {"status": "ok" if diff < 3e-2 else "MISMATCH", "max_diff": diff,
-                                   "ms": seconds * 1e3, "x_portable_time": seconds / portable})
-            except Exception as error:  # noqa: BLE001 - report and go on
-                rows.append(row | {"status": f"error: {error!r}"[:200]})
-        rows.append({"check": "attention segments (portable, GPU)", "window": window, "tokens": tokens,
-                     "status": "ok", "ms": portable * 1e3, "x_portable_time": 1.0})
+    for name, args in plan:
+        row = {"check": f"install {name}"}
+        if dry_run:
+            rows.append(row | {"status": "skipped (dry run)"})
+            continue
+        start = time.perf_counter()
+        ok, message = _pip(*args, timeout=timeout)
+        rows.append(row | {"status": "ok" if ok else f"skipped ({message})", "ms": (time.perf_counter() - start) * 1e3})
     return rows
 
 
-def _op_cases(tokens: int) -> list[tuple[str, object]]:
-    """``(name, make)`` where ``make(backend) -> output`` runs one packed op on fresh CUDA inputs."""
+# ---------------------------------------------------------------------------------------------- attention
+def attention_rows(env: Env) -> list[dict]:
+    from packfree_plugin.attention.interface import run_packed_attention
+    from packfree_plugin.attention.reference import AttentionOptions
+    from packfree_plugin.attention.varlen import VARLEN_BACKENDS
+    from packfree_plugin.boundaries import Boundaries
+
+    tokens = env.tokens
+    lengths = skewed_lengths(tokens)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    boundaries = Boundaries.from_position_ids(positions.to(env.device))
+    cpu_boundaries = Boundaries.from_position_ids(positions)
+    rows = []
+    for head_dim in HEAD_DIMS:
+        generator = torch.Generator().manual_seed(head_dim)
+        q, k, v = (torch.randn(1, heads, tokens, head_dim, generator=generator).to(env.device, env.dtype)
+                   for heads in (8, 2, 2))
+        for window_name, window, causal in WINDOWS:
+            options = AttentionOptions(scale=head_dim**-0.5, causal=causal, window=window)
+            base = {"check": f"attention head_dim={head_dim} window={window_name}", "tokens": tokens}
+            try:
+                expected = run_packed_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu_boundaries,
+                                                options, backend="segments")
+
+                def fwd_bwd(backend: str) -> None:
+                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                    run_packed_attention(qq, kk, vv, boundaries, options, backend=backend).float().sum().backward()
+
+                portable = env.timed(lambda: fwd_bwd("segments"))
+                got = run_packed_attention(q, k, v, boundaries, options, backend="segments")
+                rows.append(base | {"backend": "segments (portable)", **_compare(got, expected, env),
+                                    "ms": portable * 1e3, "x_portable_time": 1.0})
+            except Exception as error:  # noqa: BLE001 - report and go on
+                rows.append(_error(base | {"backend": "segments (portable)"}, error))
+                continue
+            for backend in VARLEN_BACKENDS:
+                row = base | {"backend": backend.name}
+                if env.dry_run or not backend.available():
+                    rows.append(row | {"status": "skipped (CUDA only)" if env.dry_run else "skipped (not available)"})
+                    continue
+                try:
+                    got = run_packed_attention(q, k, v, boundaries, options, backend=backend.name)
+                    seconds = env.timed(lambda name=backend.name: fwd_bwd(name))
+                    rows.append(row | _compare(got, expected, env) | {"ms": seconds * 1e3,
+                                                                      "x_portable_time": seconds / portable})
+                except Exception as error:  # noqa: BLE001 - a backend may refuse a head_dim: say so
+                    rows.append(_error(row, error))
+    return rows
+
+
+def _compare(got: torch.Tensor, expected: torch.Tensor, env: Env) -> dict:
+    diff = (got.float().cpu() - expected.float().cpu()).abs().max().item()
+    tolerance = 3e-2 if env.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return {"status": "ok" if diff <= tolerance * max(1.0, expected.abs().max().item()) else "MISMATCH",
+            "max_diff": diff}
+
+
+# --------------------------------------------------------------------------------------------------- ops
+def _op_cases(env: Env) -> list[tuple[str, Callable[[str], torch.Tensor]]]:
+    """``(name, make)`` where ``make(backend) -> output`` runs one packed op on fresh inputs (same seed)."""
     from packfree_plugin.ops.conv import causal_conv1d
     from packfree_plugin.ops.gated_delta import chunk_gated_delta_rule, chunk_kda
     from packfree_plugin.ops.ssd import ssd_chunk_scan
 
+    tokens, device, dtype = env.tokens, env.device, env.dtype
     lengths = skewed_lengths(tokens)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device="cuda", dtype=torch.int32),
-                                      torch.tensor(lengths, device="cuda"))[None]
-    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(device)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
+    seq_idx = seq_idx.to(device)
 
-    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype).requires_grad_()
+    def inputs(seed: int):
+        gen = torch.Generator().manual_seed(seed)
 
-    def conv(backend):
+        def rand(*shape, dtype=dtype, scale=1.0, shift=0.0):
+            return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype).requires_grad_()
+
+        def unit(*shape, dtype=dtype, scale=1.0):
+            return (torch.rand(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+
+        return rand, unit
+
+    def conv(backend: str) -> torch.Tensor:
+        rand, _ = inputs(1)
         x, w, b = rand(1, tokens, 1024), rand(1024, 4, scale=0.3), rand(1024, scale=0.1)
         return causal_conv1d(x, w, b, activation="silu", seq_idx=seq_idx, backend=backend)
 
-    def gdn(backend):
+    def gdn(backend: str) -> torch.Tensor:
+        rand, unit = inputs(2)
         q, k, v = rand(1, tokens, 8, 128), rand(1, tokens, 8, 128), rand(1, tokens, 8, 128)
-        gate = -torch.rand(1, tokens, 8, device="cuda", generator=g).requires_grad_()
-        beta = torch.rand(1, tokens, 8, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        gate, beta = unit(1, tokens, 8, dtype=torch.float32, scale=-1.0), unit(1, tokens, 8)
         return chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                       backend=backend)[0]
 
-    def kda(backend):
+    def kda(backend: str) -> torch.Tensor:
+        rand, unit = inputs(3)
         q, k, v = rand(1, tokens, 8, 128), rand(1, tokens, 8, 128), rand(1, tokens, 8, 128)
-        gate = (-torch.rand(1, tokens, 8, 128, device="cuda", generator=g) * 0.1).requires_grad_()
-        beta = torch.rand(1, tokens, 8, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        gate, beta = unit(1, tokens, 8, 128, dtype=torch.float32, scale=-0.1), unit(1, tokens, 8)
         return chunk_kda(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, backend=backend)[0]
 
-    def ssd(backend):
-        x = rand(1, tokens, 16, 64)
-        dt = rand(1, tokens, 16, dtype=torch.float32, scale=0.5)
-        a = (-torch.rand(16, device="cuda", generator=g)).requires_grad_()
+    def ssd(backend: str) -> torch.Tensor:
+        rand, unit = inputs(4)
+        x, dt = rand(1, tokens, 16, 64), rand(1, tokens, 16, dtype=torch.float32, scale=0.5)
+        a = unit(16, dtype=torch.float32, scale=-1.0)
         b, c = rand(1, tokens, 1, 64), rand(1, tokens, 1, 64)
         return ssd_chunk_scan(x, dt, a, b, c, chunk_size=128, dt_softplus=True, seq_idx=seq_idx, backend=backend)
 
@@ -117,52 +228,128 @@ def _op_cases(tokens: int) -> list[tuple[str, object]]:
             ("fla chunk_kda (cu_seqlens)", kda), ("mamba-ssm mamba_chunk_scan_combined (seq_idx)", ssd)]
 
 
-def op_rows(tokens: int = 8192) -> list[dict]:
-    """Each CUDA kernel route against packfree's torch path on the same packed inputs (same seeds)."""
+def op_rows(env: Env) -> list[dict]:
+    """Each CUDA kernel route against packfree's torch path on the same packed inputs."""
     rows = []
-    for name, make in _op_cases(tokens):
-        row = {"check": name, "tokens": tokens}
+    for name, make in _op_cases(env):
+        row = {"check": name, "tokens": env.tokens}
         try:
             reference = make("torch")
+            reference.float().sum().backward()
             try:
                 routed = make("kernel")
             except ValueError as missing:
-                rows.append(row | {"status": f"not installed ({missing})"[:120]})
+                rows.append(row | {"status": f"skipped ({missing})"[:160]})
                 continue
             diff = (routed.float() - reference.float()).abs().max().item()
             scale = reference.float().abs().max().item()
-            torch_s = _timed(lambda: make("torch").float().sum().backward())
-            kernel_s = _timed(lambda: make("kernel").float().sum().backward())
+            torch_s = env.timed(lambda: make("torch").float().sum().backward())
+            kernel_s = env.timed(lambda: make("kernel").float().sum().backward())
             rows.append(row | {"status": "ok" if diff <= 3e-2 * max(scale, 1.0) else "MISMATCH", "max_diff": diff,
                                "ms": kernel_s * 1e3, "x_portable_time": kernel_s / torch_s})
         except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append(row | {"status": f"error: {error!r}"[:200]})
+            rows.append(_error(row, error))
     return rows
 
 
-def model_row() -> dict:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+# ------------------------------------------------------------------------------------------------- stock
+STOCK_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama head_dim=128": ("llama", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=128)),
+    "llama head_dim=512": ("llama", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=512)),
+    "gemma3 head_dim=256, causal window 512": (
+        "gemma3_text", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=256, sliding_window=512, layer_types=["sliding_attention", "full_attention"])),
+    "modernbert bidirectional window 128": (
+        "modernbert", dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, local_attention=128,
+                           layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
+                           bos_token_id=2, cls_token_id=2, sep_token_id=1)),
+}
+
+
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to import means "not usable"
+        return False
+    return True
+
+
+def _stock_model(model_type: str, config: dict[str, Any], implementation: str, env: Env):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, vocab_size=4096, **config)
+    torch.manual_seed(0)
+    auto = AutoModelForMaskedLM if model_type == "modernbert" else AutoModelForCausalLM
+    return auto.from_config(cfg, attn_implementation=implementation, dtype=env.dtype).to(env.device).train()
+
+
+def stock_rows(env: Env) -> list[dict]:
+    """packfree's packed row and stock's packed paths against stock sdpa on each sample alone."""
+    from transformers import DataCollatorWithFlattening
 
     import packfree_plugin
 
     packfree_plugin.register()
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=2048)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree", dtype=torch.bfloat16).cuda()
-    lengths = skewed_lengths(4096)
-    ids = torch.randint(3, 2048, (1, 4096), device="cuda")
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions).logits[0].float()
-        alone = torch.cat([model(input_ids=p).logits[0].float() for p in ids.split(lengths, dim=1)])
-    diff = (packed - alone).abs().max().item()
-    return {"check": "tiny Llama packed vs alone (bf16, auto backend)", "tokens": 4096, "max_diff": diff,
-            "status": "ok" if diff < 5e-2 else "MISMATCH"}
+    tokens = min(env.tokens, 4096)
+    lengths = skewed_lengths(tokens)
+    ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(5))
+    features = [{"input_ids": piece.tolist()} for piece in ids.split(lengths)]
+    rows = []
+    for name, (model_type, config) in STOCK_MODELS.items():
+        encoder = model_type == "modernbert"
+        collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        batch = {k: v.to(env.device) if isinstance(v, torch.Tensor) else v for k, v in collate(features).items()}
+        batch.pop("labels", None)
+        extra = {} if encoder else {"use_cache": False}
+        try:
+            alone_model = _stock_model(model_type, config, "sdpa", env)
+            with torch.no_grad():
+                alone = torch.cat([alone_model(input_ids=p[None].to(env.device), **extra).logits[0].float()
+                                   for p in ids.split(lengths)])
+        except Exception as error:  # noqa: BLE001
+            rows.append(_error({"check": f"stock {name}", "tokens": tokens}, error))
+            continue
+        timings: dict[str, float] = {}
+        for label, implementation in (("packfree", "packfree"), ("stock sdpa + collator", "sdpa"),
+                                      ("stock flash_attention_2 + collator", "flash_attention_2")):
+            row = {"check": f"stock {name}", "backend": label, "tokens": tokens}
+            if implementation == "flash_attention_2" and (env.dry_run or not _flash_attn_installed()):
+                rows.append(row | {"status": "skipped (flash-attn not installed)"})
+                continue
+            try:
+                model = _stock_model(model_type, config, implementation, env)
+                inputs = dict(batch) if implementation != "packfree" else {
+                    "input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+                if encoder and implementation != "packfree":
+                    # stock ModernBERT unpads from an attention mask; a flattened row has none: that is the
+                    # point of the comparison (a MISMATCH here is stock's, not packfree's)
+                    inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "position_ids")}
+                with torch.no_grad():
+                    logits = model(**inputs, **extra).logits[0].float()
+
+                def step(model=model, inputs=inputs) -> None:
+                    model.zero_grad(set_to_none=True)
+                    model(**inputs, **extra).logits.float().square().mean().backward()
+
+                seconds = env.timed(step)
+                timings[label] = seconds
+                diff = (logits - alone).abs().max().item()
+                tolerance = 5e-2 if env.dtype in (torch.bfloat16, torch.float16) else 1e-4
+                status = "ok" if diff <= tolerance * max(1.0, alone.abs().max().item()) else (
+                    "MISMATCH" if implementation == "packfree" else "differs from alone (stock)")
+                rows.append(row | {"status": status, "max_diff": diff, "ms": seconds * 1e3,
+                                   "x_packfree_time": seconds / timings["packfree"] if "packfree" in timings else None})
+            except Exception as error:  # noqa: BLE001 - report and go on
+                rows.append(_error(row, error))
+    return rows
 
 
-def compiled_rows() -> list[dict]:
-    """``torch.compile`` (inductor) on the GPU: one packed bf16 training step of tiny Llama, Qwen3-Next (GDN)
-    and Mamba2 against eager (loss and largest gradient difference), and graphs per forward."""
+# ---------------------------------------------------------------------------------------------- compiled
+def compiled_rows(env: Env) -> list[dict]:
+    """``torch.compile`` of one packed training step (Llama, Qwen3-Next, Mamba2) against eager, and graphs per
+    forward (inductor on the GPU, ``aot_eager`` in a dry run)."""
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
@@ -170,14 +357,17 @@ def compiled_rows() -> list[dict]:
     from packfree_plugin.verify import packed_row
 
     packfree_plugin.register()
+    backend = "aot_eager" if env.dry_run else "inductor"
+    tokens = min(env.tokens, 1000)
     rows = []
     for model_type in ("llama", "qwen3_next", "mamba2"):
-        row = {"check": f"compiled packed step {model_type} (bf16)", "tokens": 1000}
+        row = {"check": f"compiled packed step {model_type} ({backend})", "tokens": tokens}
         try:
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="packfree",
-                                                     dtype=torch.bfloat16).cuda().train()
-            batch = {k: v.cuda() for k, v in packed_row([torch.randint(3, 128, (n,)) for n in skewed_lengths(1000)]).items()}
+                                                     dtype=env.dtype).to(env.device).train()
+            samples = [torch.randint(3, 128, (n,)) for n in skewed_lengths(tokens)]
+            batch = {k: v.to(env.device) for k, v in packed_row(samples).items()}
 
             def step(module) -> tuple[float, list[torch.Tensor]]:
                 model.zero_grad(set_to_none=True)
@@ -187,7 +377,7 @@ def compiled_rows() -> list[dict]:
 
             eager_loss, eager_grads = step(model)
             torch._dynamo.reset()
-            compiled_loss, compiled_grads = step(torch.compile(model))
+            compiled_loss, compiled_grads = step(torch.compile(model, backend=backend))
             graphs = {"runs": 0}
 
             def counting(graph_module, example_inputs):
@@ -209,28 +399,55 @@ def compiled_rows() -> list[dict]:
             rows.append(row | {"status": "ok" if ok else "MISMATCH", "max_diff": diff,
                                "loss_diff": abs(compiled_loss - eager_loss), "graphs_per_forward": graphs["runs"]})
         except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append(row | {"status": f"error: {error!r}"[:200]})
+            rows.append(_error(row, error))
     return rows
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 0
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = []
-    for check in (attention_rows, op_rows, model_row, compiled_rows):
-        try:
-            result = check()
-            rows.extend(result if isinstance(result, list) else [result])
-        except Exception:  # noqa: BLE001
-            rows.append({"check": check.__name__, "status": "error: " + traceback.format_exc(limit=2)[-300:]})
+# ------------------------------------------------------------------------------------------------ output
+def markdown(rows: list[dict]) -> str:
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        print("| " + " | ".join(f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
-                                for c in columns) + " |")
-    return 1 if any(str(row["status"]).startswith(("MISMATCH", "error")) for row in rows) else 0
+        cells = [f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "") if row.get(c) is not None
+                                                                         else "") for c in columns]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+CHECKS = {"attention": attention_rows, "ops": op_rows, "stock": stock_rows, "compiled": compiled_rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, float32, small sizes, no CUDA call")
+    parser.add_argument("--out", default="gpu-results", help="folder for gpu.md and gpu.json")
+    parser.add_argument("--install", action="store_true", help="pip-install fla and the optional CUDA wheels first")
+    parser.add_argument("--install-timeout", type=float, default=120.0, help="seconds per package")
+    parser.add_argument("--only", choices=list(CHECKS), action="append", help="run only these checks")
+    parser.add_argument("--tokens", type=int, help="tokens per packed row (default 8192, dry run 256)")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (use --dry-run to exercise the script on the CPU)")
+        return 0
+    env = Env.make(args.dry_run, args.tokens)
+    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name()
+    rows = install_rows(args.install_timeout, dry_run=args.dry_run) if args.install else []
+    for name, check in CHECKS.items():
+        if args.only and name not in args.only:
+            continue
+        start = time.perf_counter()
+        try:
+            rows.extend(check(env))
+        except Exception:  # noqa: BLE001 - report and go on
+            rows.append({"check": name, "status": "error: " + traceback.format_exc(limit=2)[-300:]})
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = f"# packfree GPU check\n\ndevice: {device}, torch {torch.__version__}\n\n"
+    (out / "gpu.md").write_text(header + markdown(rows) + "\n")
+    (out / "gpu.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=2))
+    print(header + markdown(rows))
+    return 1 if any(str(row.get("status", "")).startswith(("MISMATCH", "error")) for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -38,8 +38,13 @@ def same_sample_as_previous(seq_idx: Tensor, shift: int) -> Tensor:
     return seq_idx[:, shift:] == seq_idx[:, :-shift]
 
 
+_CHECKED = "_packfree_checked_version"
+"""Attribute a checked ``seq_idx`` carries: the tensor version its values were checked at. Every layer of a
+forward passes the same tensor, so its values are read once, not once per layer."""
+
+
 def _check_seq_idx_values(seq_idx: Tensor) -> None:
-    if seq_idx.numel() == 0:
+    if seq_idx.numel() == 0 or seq_idx.__dict__.get(_CHECKED) == seq_idx._version:
         return
     if bool((seq_idx < 0).any()):
         b, t = (int(v) for v in (seq_idx < 0).nonzero()[0])
@@ -51,6 +56,7 @@ def _check_seq_idx_values(seq_idx: Tensor) -> None:
             "seq_idx must be non-decreasing along T; "
             f"row {b} goes {int(seq_idx[b, t])} -> {int(seq_idx[b, t + 1])} at t={t + 1}"
         )
+    seq_idx.__dict__[_CHECKED] = seq_idx._version
 
 
 def check_cu_seqlens_form(cu_seqlens: Tensor, batch: int, device: torch.device) -> None:
@@ -70,7 +76,7 @@ def check_cu_seqlens_form(cu_seqlens: Tensor, batch: int, device: torch.device) 
 def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device: torch.device,
                       validate: bool) -> None:
     check_cu_seqlens_form(cu_seqlens, batch, device)
-    if validate:
+    if validate and cu_seqlens.__dict__.get(_CHECKED) != (cu_seqlens._version, total_tokens):
         first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
         if first != 0 or last != total_tokens:
             raise ValueError(
@@ -83,6 +89,7 @@ def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device:
                 f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
                 f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}"
             )
+        cu_seqlens.__dict__[_CHECKED] = (cu_seqlens._version, total_tokens)
 
 
 def resolve_seq_idx(
@@ -115,7 +122,12 @@ def resolve_seq_idx(
             _check_seq_idx_values(seq_idx)
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, batch, total_tokens, device, validate)
-        from_cu = cu_seqlens_to_seq_idx(cu_seqlens, total_tokens)
+        key = (cu_seqlens._version, total_tokens)
+        cached = cu_seqlens.__dict__.get("_packfree_seq_idx")
+        if cached is None or cached[0] != key:  # every layer of a forward passes the same cu_seqlens
+            cached = (key, cu_seqlens_to_seq_idx(cu_seqlens, total_tokens))
+            cu_seqlens.__dict__["_packfree_seq_idx"] = cached
+        from_cu = cached[1]
         if seq_idx is None:
             return from_cu
         if validate and not torch.equal(first_token_mask(from_cu), first_token_mask(seq_idx)):

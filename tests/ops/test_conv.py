@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from packfree_plugin.ops import _seq
-from packfree_plugin.ops.conv import causal_conv1d, causal_conv1d_naive
-from packfree_plugin.ops.conv import masked as conv_masked
+from packfree_plugin.ops.conv import causal_conv1d, naive_causal_conv1d
+from packfree_plugin.ops.conv import fast as conv_masked
 
 F64 = torch.float64
 
@@ -42,11 +42,11 @@ def test_packed_matches_per_sample(kit, data):
     conv_masked._SPARSE_ON_CPU = not dense
     try:
         out = causal_conv1d(x, w, b, activation=act, backend="torch", **kw)
-        ref = kit.per_sample(lambda xs: causal_conv1d_naive(xs, w, b, activation=act), rows, [(x, 1)], 1)
+        ref = kit.per_sample(lambda xs: naive_causal_conv1d(xs, w, b, activation=act), rows, [(x, 1)], 1)
         inputs = {"x": x, "weight": w} | ({"bias": b} if b is not None else {})
         kit.assert_same_grads(out, ref, inputs)
         # the naive reference's own seq_idx handling agrees with the per-sample split too
-        kit.assert_close(causal_conv1d_naive(x, w, b, seq_idx=seq_idx, activation=act), ref, "naive")
+        kit.assert_close(naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), ref, "naive")
         r = data.draw(st.integers(0, B - 1), label="iso_row")
         s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
         kit.assert_isolated(out, 1, seq_idx, {"x": (x, 1)}, r, s)
@@ -88,7 +88,7 @@ def _fake_causal_conv1d(calls: list, expected_seq: torch.Tensor | None):
             assert tuple(seq_idx.shape) == (Bsz, T) and seq_idx.device == x.device
             assert torch.equal(seq_idx, expected_seq)
         calls.append(dict(activation=activation))
-        out = causal_conv1d_naive(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
+        out = naive_causal_conv1d(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
         return out.transpose(1, 2)  # channel-last, like the kernel's empty_like(x)
 
     return causal_conv1d_fn

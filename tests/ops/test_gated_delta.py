@@ -118,7 +118,8 @@ def test_kda_gate_in_kernel_matches_naive(lengths, seed):
 def test_gradient_isolation(family, lengths, seed, data):
     per_channel, fast, _ = FAMILIES[family]
     j = data.draw(st.integers(0, len(lengths) - 1), label="sample")
-    inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed)
+    # without initial states samples share chunks; with them chunks start on sample starts
+    inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed, with_h0=data.draw(st.booleans(), label="h0"))
     cu = cu_of(lengths)
     o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=8, output_final_state=True,
                     use_qk_l2norm_in_kernel=True, **opts)
@@ -291,7 +292,7 @@ def test_fla_route_validates_before_calling(fake_fla):
     fake = fake_fla([0, 5, 11])
     inp, _ = make_inputs([5, 6], per_channel=False)
     x = [t.detach().bfloat16() for t in inp.values()]
-    with pytest.raises(ValueError, match="must end at T=11"):
+    with pytest.raises(ValueError, match="end at T=11"):
         chunk_gated_delta_rule(*x, cu_seqlens=torch.tensor([0, 5, 10], dtype=torch.int32))
     assert fake.calls == []
 

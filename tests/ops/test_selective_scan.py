@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfree_plugin.ops.selective_scan import linear_scan, selective_scan, selective_scan_naive
-from packfree_plugin.ops.selective_scan import scan as ss_scan
+from packfree_plugin.ops.selective_scan import linear_scan, selective_scan, naive_selective_scan
+from packfree_plugin.ops.selective_scan import fast as ss_scan
 
 F64 = torch.float64
 
@@ -57,7 +57,7 @@ def test_packed_matches_per_sample(kit, data):
     shared = dict(D=t["D"], delta_bias=t["delta_bias"], delta_softplus=softplus)
     bc_dim = t["B"].dim() - 1
     ref = kit.per_sample(
-        lambda u, delta, B, C, z: selective_scan_naive(u, delta, t["A"], B, C, z=z, **shared),
+        lambda u, delta, B, C, z: naive_selective_scan(u, delta, t["A"], B, C, z=z, **shared),
         rows, [(t["u"], 2), (t["delta"], 2), (t["B"], bc_dim), (t["C"], bc_dim), (t["z"], 2)], 2)
     kit.assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
     r = data.draw(st.integers(0, Bsz - 1), label="iso_row")

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfree_plugin.ops.ssd import chunk as ssd_torch
-from packfree_plugin.ops.ssd import ssd_chunk_scan, ssd_naive
+from packfree_plugin.ops.ssd import fast as ssd_torch
+from packfree_plugin.ops.ssd import ssd_chunk_scan, naive_ssd
 
 F64 = torch.float64
 KERNEL = "mamba_ssm.ops.triton.ssd_combined"
@@ -59,7 +59,7 @@ def test_packed_matches_per_sample(kit, data):
     finally:
         ssd_torch._GROUP_TOKENS = saved
     ref = kit.per_sample(
-        lambda x, dt, B, C, z: ssd_naive(x, dt, t["A"], B, C, z=z, **shared),
+        lambda x, dt, B, C, z: naive_ssd(x, dt, t["A"], B, C, z=z, **shared),
         rows, [(t["x"], 1), (t["dt"], 1), (t["B"], 1), (t["C"], 1), (t["z"], 1)], 1)
     kit.assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
     r = data.draw(st.integers(0, Bsz - 1), label="iso_row")
@@ -94,7 +94,7 @@ def _fake_ssd(calls: list, expected_seq: torch.Tensor | None):
             assert tuple(seq_idx.shape) == (Bsz, T) and seq_idx.device == x.device
             assert torch.equal(seq_idx, expected_seq)
         calls.append(dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit)))
-        return ssd_naive(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        return naive_ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                          dt_limit=dt_limit, seq_idx=seq_idx)
 
     return mamba_chunk_scan_combined

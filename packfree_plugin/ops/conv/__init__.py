@@ -1,10 +1,10 @@
 """Causal depthwise conv1d that restarts at every sample boundary of a packed row.
 
-``op.causal_conv1d`` (public, dispatching), ``masked.causal_conv1d_masked`` (pure-torch fast path),
-``naive.causal_conv1d_naive`` (per-sample reference).
+``op.causal_conv1d`` (public, dispatching), ``fast.causal_conv1d_masked`` (pure-torch fast path),
+``naive.naive_causal_conv1d`` (per-sample reference).
 """
 
-from .naive import causal_conv1d_naive
+from .naive import naive_causal_conv1d
 from .op import causal_conv1d
 
-__all__ = ["causal_conv1d", "causal_conv1d_naive"]
+__all__ = ["causal_conv1d", "naive_causal_conv1d"]

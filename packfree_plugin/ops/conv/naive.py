@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def causal_conv1d_naive(
+def naive_causal_conv1d(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,

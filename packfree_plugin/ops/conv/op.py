@@ -8,7 +8,7 @@ from torch import Tensor
 from .._boundary_doc import with_boundary_doc
 from .._dispatch import Backend, pick_kernel
 from .._seq import resolve_seq_idx
-from .masked import causal_conv1d_masked
+from .fast import causal_conv1d_masked
 
 _KERNEL = ("causal_conv1d", "causal_conv1d_fn")
 _ACTIVATIONS = (None, "silu", "swish")

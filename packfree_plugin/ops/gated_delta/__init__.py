@@ -1,11 +1,11 @@
 """Boundary-aware gated delta rule family: Gated DeltaNet (Qwen3-Next / Qwen3.5) and KDA (Kimi Linear).
 
-``chunk_gated_delta_rule`` / ``chunk_kda`` are the public ops (fla on CUDA, PyTorch chunked elsewhere);
-``naive_*`` are the per-sample, per-token references the fast paths are tested against.
+``op.chunk_gated_delta_rule`` / ``op.chunk_kda`` (public, dispatching: fla on CUDA), ``fast.*_torch`` (pure-torch
+chunked fast path), ``naive.naive_*`` (per-sample, per-token references).
 """
 
-from packfree_plugin.ops.gated_delta.chunk import chunk_gated_delta_rule_torch, chunk_kda_torch
-from packfree_plugin.ops.gated_delta.dispatch import chunk_gated_delta_rule, chunk_kda
+from packfree_plugin.ops.gated_delta.fast import chunk_gated_delta_rule_torch, chunk_kda_torch
+from packfree_plugin.ops.gated_delta.op import chunk_gated_delta_rule, chunk_kda
 from packfree_plugin.ops.gated_delta.naive import naive_gated_delta_rule, naive_kda
 
 __all__ = [

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from packfree_plugin.ops.gated_delta.chunk import kda_gate, l2norm
-from packfree_plugin.ops.linear_attention._varlen import compute_dtype, host_offsets, row_offsets
+from packfree_plugin.ops.gated_delta.fast import kda_gate, l2norm
+from packfree_plugin.ops._varlen import compute_dtype, host_offsets, row_offsets
 
 __all__ = ["naive_gated_delta_rule", "naive_kda"]
 
@@ -32,7 +32,7 @@ def naive_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule. ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H]`` or
     ``[B, T, H, K]`` (log decay), ``beta [B, T, H]``, ``initial_state [N, H, K, V]``; cu_seqlens as in
-    :func:`packfree_plugin.ops.gated_delta.chunk_gated_delta_rule`. Returns ``(o [B, T, H, V], final [N, H, K, V] | None)``."""
+    :func:`packfree_plugin.ops.gated_delta.fast_gated_delta_rule`. Returns ``(o [B, T, H, V], final [N, H, K, V] | None)``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale

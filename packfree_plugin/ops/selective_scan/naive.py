@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def selective_scan_naive(
+def naive_selective_scan(
     u: Tensor,
     delta: Tensor,
     A: Tensor,

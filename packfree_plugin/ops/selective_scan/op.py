@@ -6,7 +6,7 @@ from torch import Tensor
 
 from .._boundary_doc import with_boundary_doc
 from .._seq import resolve_seq_idx
-from .scan import selective_scan_chunked
+from .fast import selective_scan_chunked
 
 
 def _check(u, delta, A, B, C, D, z, delta_bias) -> None:
@@ -69,7 +69,7 @@ def selective_scan(
 
     Device routing: mamba_ssm's CUDA selective scan has no variable-length (seq_idx / cu_seqlens)
     support, so this op runs the same pure-torch blocked scan
-    (:func:`~packfree_plugin.ops.selective_scan.scan.selective_scan_chunked`) on every device,
+    (:func:`~packfree_plugin.ops.selective_scan.fast.selective_scan_chunked`) on every device,
     CUDA included.
 
     Args:

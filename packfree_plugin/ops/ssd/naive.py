@@ -21,7 +21,7 @@ def process_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
     return dt
 
 
-def ssd_naive(
+def naive_ssd(
     x: Tensor,
     dt: Tensor,
     A: Tensor,

@@ -10,7 +10,7 @@ from torch import Tensor
 from .._boundary_doc import with_boundary_doc
 from .._dispatch import Backend, pick_kernel
 from .._seq import resolve_seq_idx
-from .chunk import ssd_chunked
+from .fast import ssd_chunked
 
 _KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,7 +93,7 @@ def ssd_chunk_scan(
         {boundaries}
         backend: ``"auto"`` (``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` with
             ``seq_idx`` when x is on CUDA in fp32/fp16/bf16 and mamba_ssm imports; else the torch
-            path :func:`~packfree_plugin.ops.ssd.chunk.ssd_chunked`), ``"torch"`` or ``"kernel"``.
+            path :func:`~packfree_plugin.ops.ssd.fast.ssd_chunked`), ``"torch"`` or ``"kernel"``.
 
     Returns:
         y ``[B, T, H, P]``, dtype of x (the torch path computes half inputs in float32).

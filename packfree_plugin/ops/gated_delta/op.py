@@ -14,7 +14,7 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 import torch
 
 from packfree_plugin.ops._dispatch import Backend, pick_kernel
-from packfree_plugin.ops.gated_delta.chunk import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
+from packfree_plugin.ops.gated_delta.fast import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
 
 __all__ = ["chunk_gated_delta_rule", "chunk_kda"]
 

@@ -19,7 +19,7 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops.linear_attention._varlen import (
+from packfree_plugin.ops._varlen import (
     check_floating,
     check_same_device,
     compute_dtype,

@@ -38,7 +38,7 @@ def _tile_len(x: Tensor, K: int) -> int:
 class _Boundary:
     """Where taps cross a sample start. ``sparse``: the boundary rows (CPU); else dense tap masks."""
 
-    def __init__(self, seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype):
+    def __init__(self, seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int):
         self.none = seq_idx is None or K == 1
         self.sparse = not self.none and seq_idx.device.type == "cpu" and _SPARSE_ON_CPU
         self.masks: list[Tensor | None] = [None] * K
@@ -61,8 +61,10 @@ class _Boundary:
         taps = torch.arange(K)
         self.src_t = (self.t[:, None] - taps).clamp(min=0)  # [R, K]: token read by tap s
         self.valid = taps[None, :] <= self.pos[:, None]  # [R, K]: tap s stays in the sample
+        if self.t.numel():
+            self._split_by_tile(tile, T, K)
 
-    def split_by_tile(self, tile: int, T: int, K: int) -> None:
+    def _split_by_tile(self, tile: int, T: int, K: int) -> None:
         """``self.tiles[i]`` = (b, t) of the boundary rows whose gradient tile i reads: t in
         ``[t0, t1 + K - 1)``."""
         order = torch.argsort(self.t, stable=True)
@@ -79,6 +81,19 @@ class _Boundary:
         w = weight.flip(1).T  # [K, C]: w[s] multiplies x[t - s]
         out = (xs * w * self.valid[..., None].to(x.dtype)).sum(1)
         return out + bias if bias is not None else out
+
+
+def _boundary(seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int) -> _Boundary:
+    """The :class:`_Boundary` of ``seq_idx``, built once per tensor and shape: every conv layer of a forward gets
+    the same ``seq_idx``, so the rows are found once, not once per layer (kept on the tensor, freed with it)."""
+    if seq_idx is None:
+        return _Boundary(None, T, K, dtype, tile)
+    cache = seq_idx.__dict__.setdefault("_packfree_conv_boundary", {})
+    key = (T, K, dtype, tile, seq_idx._version)
+    if key not in cache:
+        cache.clear()
+        cache[key] = _Boundary(seq_idx, T, K, dtype, tile)
+    return cache[key]
 
 
 def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int, t1: int,
@@ -106,7 +121,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 silu: bool) -> Tensor:
         T, K = x.shape[1], weight.shape[1]
         tile = _tile_len(x, K)
-        bnd = _Boundary(seq_idx, T, K, x.dtype)
+        bnd = _boundary(seq_idx, T, K, x.dtype, tile)
         pre = torch.empty_like(x)
         out = torch.empty_like(x) if silu else pre
         for t0 in range(0, T, tile):
@@ -119,7 +134,6 @@ class _MaskedCausalConv1d(torch.autograd.Function):
             pre[bnd.b, bnd.t] = fixed
             if silu:
                 out[bnd.b, bnd.t] = F.silu(fixed)
-            bnd.split_by_tile(tile, T, K)
         ctx.silu, ctx.has_bias, ctx.tile, ctx.bnd = silu, bias is not None, tile, bnd
         ctx.save_for_backward(x, weight, pre if silu else None)
         return out

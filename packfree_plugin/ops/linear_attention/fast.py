@@ -12,6 +12,9 @@ attention (no decay). Chunk form (``G_r`` = in-chunk cumulative log decay, all e
     o = (q * exp(G)) S0 + (q k^T * exp(G_r - G_s) [s <= r]) v
     S_C = exp(G_last) S0 + (k * exp(G_last - G))^T v
 
+where every ``G_r - G_s`` is summed over the tokens it spans, not subtracted (fp32 keeps a sequential
+recurrence's precision).
+
 Boundaries as in the gated delta family: chunks start on sample starts, the intra-chunk part runs for every
 chunk of every sample at once, the state recurrence loops over chunk steps with per-sample reset.
 """
@@ -22,7 +25,7 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops.linear_attention._varlen import (
+from packfree_plugin.ops._varlen import (
     chunk_layout,
     compute_dtype,
     run_chunk_steps,
@@ -91,13 +94,16 @@ def chunk_linear_attention(
         # Constant decay applies to real tokens only: padding slots must not decay the carried state.
         real = layout.pack(torch.ones(B * T, 1, dtype=cdt, device=q.device)).view(M, 1, C)
         lam = lam + g_gamma.to(cdt).view(1, H, 1) * real
-    G = lam.cumsum(dim=-1)  # [M, H, C]
+    # seg[r, s] = sum_{s < j <= r} lam_j summed pair by pair, never as G_r - G_s: that difference of two large
+    # cumulative sums loses |G| * eps of every decay (5x a sequential fp32 recurrence's error at strong decay)
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")))
+    seg = lam[..., :, None].expand(*lam.shape, C).masked_fill(~strict, 0.0).cumsum(dim=-2)
+    decay = torch.exp(seg.masked_fill_(~incl, float("-inf")))  # [M, H, C, C]
+    G = seg[..., :, 0] + lam[..., :1]  # [M, H, C] cumulative log decay from the chunk start
     o_intra = ((qc @ kc.transpose(-1, -2)) * decay) @ vc
-    last = G[..., -1:]
-    dS = (kc * torch.exp(last - G)[..., None]).transpose(-1, -2) @ vc  # [M, H, K, V]
-    decay_last = torch.exp(last)[..., None]  # [M, H, 1, 1]
+    dS = (kc * decay[..., -1, :, None]).transpose(-1, -2) @ vc  # [M, H, K, V]: decay[-1, s] = exp(G_last - G_s)
+    decay_last = torch.exp(G[..., -1:])[..., None]  # [M, H, 1, 1]
 
     def step(S, dl, ds):
         return S * dl + ds, S

@@ -1,9 +1,6 @@
 """Sample-boundary bookkeeping shared by the recurrent-op families (linear attention, gated delta, LRU).
 
-Private helper. It lives here until ``packfree_plugin/ops/_seq.py`` (owned by another engineer) offers the
-same validation; then the checks below should call into it instead of duplicating them.
-
-The ``cu_seqlens`` contract, reused verbatim by every op docstring in these folders:
+The ``cu_seqlens`` contract of these ops (their docstrings use :data:`._boundary_doc.RECURRENT_CU_SEQLENS_DOC`):
 
     cu_seqlens: ``[N+1]`` int32 or int64 cumulative sample offsets on the data's device, starting at 0,
         non-decreasing, ending at ``T``. With it the batch dimension ``B`` must be 1 (one flattened row);
@@ -92,7 +89,6 @@ class ChunkLayout:
         step_start: first chunk index of step ``j`` (exclusive prefix sum of ``active``).
         rank_to_sample: ``[N]`` long, sample id of rank ``r`` (longest first).
         sample_to_rank: ``[N]`` long, inverse permutation.
-        gather: ``[M*C]`` long token index for every padded slot (``T`` for padding slots).
         scatter: ``[T]`` long padded slot of every token.
     """
 
@@ -104,13 +100,12 @@ class ChunkLayout:
     step_start: tuple[int, ...]
     rank_to_sample: torch.Tensor
     sample_to_rank: torch.Tensor
-    gather: torch.Tensor
     scatter: torch.Tensor
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` -> ``[M, C, ...]``, zero in padding slots."""
-        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
-        return padded.index_select(0, self.gather).view(self.num_chunks, self.chunk, *x.shape[1:])
+        """``[T, ...]`` -> ``[M, C, ...]``, zero in padding slots (one copy: tokens scattered into zeros)."""
+        out = x.new_zeros((self.num_chunks * self.chunk, *x.shape[1:]))
+        return out.index_copy_(0, self.scatter, x).view(self.num_chunks, self.chunk, *x.shape[1:])
 
     def unpack(self, y: torch.Tensor) -> torch.Tensor:
         """``[M, C, ...]`` -> ``[T, ...]`` (drops padding slots)."""
@@ -162,7 +157,6 @@ def chunk_layout(offsets: tuple[int, ...], chunk: int, device: torch.device) -> 
         step_start=tuple(int(s) for s in step_start),
         rank_to_sample=rank_to_sample.to(device),
         sample_to_rank=sample_to_rank.to(device),
-        gather=gather.reshape(-1).to(device),
         scatter=scatter.to(device),
     )
 
@@ -209,10 +203,10 @@ def run_chunk_steps(layout: ChunkLayout, state: torch.Tensor, step, *per_chunk: 
     return extras, torch.cat(finished, dim=0)
 
 
-def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None):
-    """Shared checks of the fla-style ops: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``initial_state
-    [N, H, K, V]``, ``cu_seqlens``; ``other`` tensors (gates) are checked for dtype class and device only.
-    Returns ``(offsets, (B, T, H, K, V))``; raises ValueError naming the offending argument."""
+def check_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """Shared checks of the fla-style ops that need no host sync: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
+    ``initial_state [N, H, K, V]``, the form of ``cu_seqlens`` (not its values); ``other`` tensors (gates) are
+    checked for dtype class and device only. Returns ``(B, T, H, K, V)``; raises ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -228,11 +222,19 @@ def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | Non
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     V = v.shape[-1]
     check_same_device(q.device, k=k, v=v, initial_state=initial_state, **other)
-    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
-    N = len(offsets) - 1
+    if cu_seqlens is not None:
+        check_cu_seqlens_form(cu_seqlens, B, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
         raise ValueError(
             f"initial_state must have shape [N, H, K, V] = {[N, H, K, V]} (N = number of samples), "
             f"got {tuple(initial_state.shape)}"
         )
+    return B, T, H, K, V
+
+
+def validate_qkv(q, k, v, initial_state, cu_seqlens, **other: torch.Tensor | None):
+    """:func:`check_qkv` plus the values of ``cu_seqlens`` (a host sync). Returns ``(offsets, (B, T, H, K, V))``."""
+    B, T, H, K, V = check_qkv(q, k, v, initial_state, cu_seqlens, **other)
+    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
     return offsets, (B, T, H, K, V)
