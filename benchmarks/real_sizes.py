@@ -141,7 +141,7 @@ def _batch(mode: str, lengths: list[int], vocab: int) -> dict:
         return dict(input_ids=ids, labels=ids)
     if mode == "packed":
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        return dict(input_ids=ids, position_ids=positions, labels=ids)
+        return dict(input_ids=ids, position_ids=positions, labels=ids.masked_fill(positions == 0, -100))
     rows = ids.split(lengths, dim=1)
     width = max(lengths)
     padded = torch.zeros(len(lengths), width, dtype=torch.long)

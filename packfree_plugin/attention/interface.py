@@ -22,13 +22,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .. import opaque
+from .. import backends, opaque
 from ..boundaries import Boundaries
 from ..context import current, in_prepared_forward
 from ..opaque import boundary_function
 from .reference import AttentionOptions, eager_attention
 from .segments import segment_attention
-from .varlen import VARLEN_BACKENDS, on_accelerator
+from .varlen import VARLEN_BACKENDS
 
 __all__ = [
     "choose_backend",
@@ -51,7 +51,7 @@ def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: 
         if forced != "segments" and forced not in {backend.name for backend in VARLEN_BACKENDS}:
             raise ValueError(f"PACKFREE_ATTENTION_BACKEND={forced!r} is not a packfree attention backend")
         return forced
-    if on_accelerator(query):
+    if backends.on_cuda(query):
         for backend in VARLEN_BACKENDS:
             if backend.supports(query, options, training) and backend.available():
                 return backend.name

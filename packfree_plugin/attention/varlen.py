@@ -16,7 +16,6 @@ Sinks (gpt-oss) and float32 inputs have no fused varlen kernel here; they take t
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,17 +23,13 @@ from functools import cache
 
 import torch
 
+from ..backends import load_kernel
 from ..boundaries import Boundaries
 from .reference import AttentionOptions
 
-__all__ = ["VarlenBackend", "VARLEN_BACKENDS", "on_accelerator"]
+__all__ = ["VarlenBackend", "VARLEN_BACKENDS"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def on_accelerator(tensor: torch.Tensor) -> bool:
-    """Whether fused CUDA kernels may be tried for ``tensor`` (tests swap this predicate out)."""
-    return tensor.is_cuda
 
 
 @dataclass(frozen=True)
@@ -71,21 +66,12 @@ def _unflatten(out: torch.Tensor, boundaries: Boundaries) -> torch.Tensor:
     return out
 
 
-@cache
 def _torch_varlen() -> Callable | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    return load_kernel("torch.nn.attention.varlen", "varlen_attn")
 
 
-@cache
 def _flash_attn() -> Callable | None:
-    try:
-        return importlib.import_module("flash_attn").flash_attn_varlen_func
-    except (ImportError, AttributeError):
-        return None
+    return load_kernel("flash_attn", "flash_attn_varlen_func")
 
 
 @cache

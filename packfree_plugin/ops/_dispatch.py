@@ -1,28 +1,15 @@
-"""Lazy, cached lookup of optional CUDA kernels; never imported at module import time."""
+"""Which implementation an op runs: an optional CUDA kernel package or packfree's torch path, decided with the
+shared predicate and loader of :mod:`packfree_plugin.backends`; kernels are never imported at module import time."""
 
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import Any, Callable, Literal
 
 from torch import Tensor
 
+from .. import backends
+
 Backend = Literal["auto", "torch", "kernel"]
-
-
-def on_cuda(t: Tensor) -> bool:
-    """Predicate the dispatchers use; tests monkeypatch it to route CPU tensors to a fake kernel."""
-    return t.is_cuda
-
-
-@functools.lru_cache(maxsize=None)
-def load_kernel(module: str, attr: str) -> Callable[..., Any] | None:
-    """``module.attr`` if that package imports cleanly, else None (cached; ``cache_clear`` resets)."""
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, OSError, RuntimeError):
-        return None
 
 
 def pick_kernel(backend: Backend, probe: Tensor, module: str, attr: str) -> Callable[..., Any] | None:
@@ -34,9 +21,9 @@ def pick_kernel(backend: Backend, probe: Tensor, module: str, attr: str) -> Call
     if backend == "torch":
         return None
     if backend == "auto":
-        return load_kernel(module, attr) if on_cuda(probe) else None
+        return backends.load_kernel(module, attr) if backends.on_cuda(probe) else None
     if backend == "kernel":
-        fn = load_kernel(module, attr)
+        fn = backends.load_kernel(module, attr)
         if fn is None:
             raise ValueError(f"backend='kernel' needs {module}.{attr}, which does not import")
         return fn

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.attention.varlen as torch_varlen_module
 
+from packfree_plugin import backends
 from packfree_plugin.attention import interface, varlen
 from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries
@@ -54,12 +55,12 @@ class FakeKernel:
 
 @pytest.fixture
 def on_cuda(monkeypatch):
-    monkeypatch.setattr(interface, "on_accelerator", lambda tensor: True)
+    monkeypatch.setattr(backends, "on_cuda", lambda tensor: True)
     monkeypatch.setattr(varlen, "_HALF_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
-    for loader in (varlen._torch_varlen, varlen._flash_attn, varlen._kernels_hub):
+    for loader in (backends.load_kernel, varlen._kernels_hub):
         loader.cache_clear()
     yield
-    for loader in (varlen._torch_varlen, varlen._flash_attn, varlen._kernels_hub):
+    for loader in (backends.load_kernel, varlen._kernels_hub):
         loader.cache_clear()
 
 

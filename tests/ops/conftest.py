@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from packfree_plugin.ops import _dispatch
+from packfree_plugin import backends
 
 F64 = torch.float64
 
@@ -142,8 +142,8 @@ def route_to(monkeypatch):
                     monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
             for attr, value in attrs.items():
                 setattr(sys.modules[dotted], attr, value)
-        monkeypatch.setattr(_dispatch, "on_cuda", lambda t: True)
-        _dispatch.load_kernel.cache_clear()
+        monkeypatch.setattr(backends, "on_cuda", lambda t: True)
+        backends.load_kernel.cache_clear()
 
     yield install
-    _dispatch.load_kernel.cache_clear()
+    backends.load_kernel.cache_clear()

@@ -120,12 +120,12 @@ def test_shapes_the_kernel_rejects_take_the_torch_path(route_to, shape):
 
 
 def test_cpu_tensors_never_import_the_kernel(monkeypatch):
-    from packfree_plugin.ops import _dispatch
+    from packfree_plugin import backends
 
     def boom(*a, **k):
         raise AssertionError("kernel lookup on CPU")
 
-    monkeypatch.setattr(_dispatch, "load_kernel", boom)
+    monkeypatch.setattr(backends, "load_kernel", boom)
     x, w, b = _inputs(6, 1, 8, 4, bias=False, dtype=torch.float32)
     causal_conv1d(x, w, b, seq_idx=torch.zeros(1, 6, dtype=torch.int32))
 
@@ -133,16 +133,16 @@ def test_cpu_tensors_never_import_the_kernel(monkeypatch):
 def test_forced_kernel_without_package_raises(monkeypatch):
     import sys
 
-    from packfree_plugin.ops import _dispatch
+    from packfree_plugin import backends
 
     monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # import fails
-    _dispatch.load_kernel.cache_clear()
+    backends.load_kernel.cache_clear()
     try:
         x, w, b = _inputs(6, 1, 8, 4, bias=False, dtype=torch.float32)
         with pytest.raises(ValueError, match="causal_conv1d"):
             causal_conv1d(x, w, b, backend="kernel")
     finally:
-        _dispatch.load_kernel.cache_clear()
+        backends.load_kernel.cache_clear()
 
 
 # ------------------------------------------------------------------------------------ bad inputs

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfree_plugin.ops import _dispatch
+from packfree_plugin import backends
 from packfree_plugin.ops.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
@@ -230,12 +230,12 @@ def fake_fla(monkeypatch):
         mods["fla.ops.kda"].chunk_kda = fake.chunk_kda
         for name, mod in mods.items():
             monkeypatch.setitem(sys.modules, name, mod)
-        monkeypatch.setattr(_dispatch, "on_cuda", lambda t: on_cuda)
-        _dispatch.load_kernel.cache_clear()
+        monkeypatch.setattr(backends, "on_cuda", lambda t: on_cuda)
+        backends.load_kernel.cache_clear()
         return fake
 
     yield install
-    _dispatch.load_kernel.cache_clear()
+    backends.load_kernel.cache_clear()
 
 
 CONTRACT_CASES = {"N3-T29-H2": [1, 20, 8], "N1-T7-H2": [7]}
@@ -281,7 +281,7 @@ def test_fla_route_is_skipped_off_cuda_for_float32_and_when_fla_missing(fake_fla
     chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_of([5, 6]), backend="torch")
     assert fake.calls == ["gdn"]
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # import now fails
-    _dispatch.load_kernel.cache_clear()
+    backends.load_kernel.cache_clear()
     o, _ = chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_of([5, 6]))
     assert o.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="does not import"):

@@ -1,7 +1,7 @@
 """Public gated-delta ops: fla's Triton kernels on CUDA when fla imports, else the PyTorch chunked path.
 
-Routing goes through the project's shared ``ops._dispatch`` (``on_cuda`` predicate, cached lazy
-``load_kernel``), so tests exercise the fla route on CPU by monkeypatching ``_dispatch.on_cuda`` and putting a
+Routing goes through the shared ``packfree_plugin.backends`` (``on_cuda`` predicate, cached lazy
+``load_kernel``), so tests exercise the fla route on CPU by monkeypatching ``backends.on_cuda`` and putting a
 fake ``fla`` in ``sys.modules`` (then ``load_kernel.cache_clear()``). Inputs are validated here first,
 whichever route runs, so a contract violation is always a ``ValueError`` from packfree, never a Triton
 assertion.
