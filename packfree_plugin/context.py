@@ -332,6 +332,10 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             kwargs["use_cache"] = False
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries
+        if boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in signature.parameters:
+            # boundaries from cu_seq_lens / seq_idx alone: positions restart in every sample, as each sample alone
+            # would number them (the model would otherwise count 0..T-1 across the row)
+            kwargs["position_ids"] = boundaries.position_ids
     _STACK.items[-1] = boundaries
     return args, kwargs
 

@@ -180,3 +180,10 @@ def test_position_ids_with_a_padding_mask(positions, mask, lengths, padding) -> 
     boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=5, device="cpu",
                                               position_ids=torch.tensor([positions]), attention_mask=torch.tensor([mask]))
     assert boundaries.lengths == lengths and boundaries.padding == padding
+
+
+def test_max_length_is_an_upper_bound() -> None:
+    """flash-attn reads max_seqlen as an upper bound: a larger one is accepted, a smaller one contradicts."""
+    boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", cu_seq_lens_q=_cu([2, 4]),
+                                              cu_seq_lens_k=_cu([2, 4]), max_length_q=16, max_length_k=16)
+    assert boundaries.max_seqlen == 4

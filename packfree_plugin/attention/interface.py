@@ -174,7 +174,9 @@ def packfree_attention_forward(
         if boundaries is not None and query.shape[2] == key.shape[2]:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     enclosing = current()
-    if enclosing is not None and enclosing.is_packed:
+    if enclosing is not None and enclosing.is_packed and enclosing.seq_len in (query.shape[2], key.shape[2]):
+        # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
+        # per-token attention over earlier layers' states, mixes no samples)
         raise ValueError(
             f"{type(module).__name__} attends with a mask of its own (cross-attention, or a mask its model builds "
             "outside transformers' mask interface) inside a packed forward; packfree cannot keep that attention "

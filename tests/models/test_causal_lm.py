@@ -258,6 +258,21 @@ def test_labels_must_not_cross_samples() -> None:
             model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["input_ids"])
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_cu_seq_lens_without_position_ids_number_positions_per_sample(model_type: str) -> None:
+    """Only the collator's cu_seq_lens: the model would count positions 0..T-1 across the row (GPT-2's learned
+    positions were 0.60 off); packfree passes each sample's own positions."""
+    model, stock = pair(model_type)
+    samples = random_samples([5, 3, 6])
+    batch = packed_batch(samples, "collator")
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
+                       cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=batch["max_length_q"],
+                       max_length_k=batch["max_length_k"]).logits[0]
+    for index, (piece, expected) in enumerate(zip(logits.split([5, 3, 6]), alone_logits(stock, samples))):
+        assert_close(piece, expected, atol=reference_tolerance(model_type), rtol=0, what=f"{model_type} sample {index}")
+
+
 def test_no_dense_mask_is_built_for_a_packed_batch(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a dense attention mask was requested for a packed batch")
