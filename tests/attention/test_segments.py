@@ -103,3 +103,31 @@ def test_padding_segments_give_zeros_and_no_gradient() -> None:
     assert torch.count_nonzero(out[mask == 0]) == 0
     out.sum().backward()
     assert torch.count_nonzero(q.grad.transpose(1, 2)[mask == 0]) == 0
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [dict(softcap=0.7), dict(window=2), dict(window=2, causal=False), dict(sinks=True), dict(kv_heads=1)],
+    ids=["softcap", "causal-window", "bidirectional-window", "sinks", "gqa"],
+)
+def test_every_option_is_applied_alone(feature: dict) -> None:
+    """Each option on its own, at scales where it binds (logits far above the cap, samples longer than the
+    window): equal to the naive reference with the option, and different from the result without it, so a
+    path that silently drops the option fails here."""
+    feature = dict(feature)
+    kv_heads = feature.pop("kv_heads", 4)
+    lengths = [9, 6, 12]
+    q, k, v, boundaries = _packed_inputs(lengths, 4, kv_heads, 1, seed=3)
+    q, k, v = (t.detach() * 3 for t in (q, k, v))  # logits of O(10): a cap of 0.7 binds
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=torch.float64) if feature.pop("sinks", False) else None
+    settings = dict(scale=0.35, causal=True, window=None, softcap=None) | feature
+    out = segments.segment_attention(q, k, v, boundaries, AttentionOptions(**settings, sinks=sinks))
+    plain = segments.segment_attention(q, k, v, boundaries, AttentionOptions(scale=0.35, causal=settings["causal"]))
+    if kv_heads == 4:
+        assert (out - plain).abs().max() > 1e-2, "the option changed nothing: the case cannot see it"
+    begin = 0
+    for length in lengths:
+        piece = slice(begin, begin + length)
+        expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], sinks=sinks, **settings)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {begin}")
+        begin += length
