@@ -146,3 +146,20 @@ def test_options_round_trip_through_the_encoding() -> None:
                                                     None, **options)
     tensors, decoded = opaque._decode([torch.zeros(B, T), torch.zeros(0)], encoded)
     assert decoded == options and tensors[1] is None
+
+
+def test_attention_dropout_follows_its_seed_not_the_global_generator() -> None:
+    """The compiled path's dropout is drawn from the seed the graph passes: the same seed gives the same mask
+    whatever the global generator holds, another seed another mask. (Were the seed ignored, the op's forward
+    and its backward's recomputation would draw different masks.)"""
+    tensors, options = _attention(dropout=0.3)()
+    options = {k: v for k, v in options.items() if k != "rows"}
+    run = opaque._FUNCTIONS["packfree.packed_attention"].run
+    q, k, v, sinks, _ = tensors
+    torch.manual_seed(1)
+    first = run(_boundaries(), q, k, v, sinks, torch.tensor(1234), **options)
+    torch.manual_seed(2)
+    again = run(_boundaries(), q, k, v, sinks, torch.tensor(1234), **options)
+    other = run(_boundaries(), q, k, v, sinks, torch.tensor(99), **options)
+    assert torch.equal(first, again)
+    assert (first - other).abs().max() > 1e-3
