@@ -1,0 +1,93 @@
+"""A property battery over the input contract (README, "Input contract"): random mixes of boundary sources,
+mask forms, cache states and labels on one attention model and one hybrid per mixer family. The oracle:
+every sample's logits equal stock on that sample alone, or the call is refused with one of the documented
+errors. Anything else (a wrong result, an internal error) fails."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import DataCollatorWithFlattening, DynamicCache
+
+from tests.conftest import assert_close
+from tests.e2e.conftest import shared_pair
+
+DOCUMENTED_REFUSALS = re.compile(
+    "|".join([
+        r"attention_mask was passed with a packed batch",  # a 1-D/3-D/4-D mask with packed inputs
+        r"cache object was passed with a packed batch",
+        r"labels at the first token of a packed sample",
+        r"padding inside a sample",
+        r"contradict",
+    ])
+)
+TOLERANCE = {"llama": 1e-9, "qwen3_next": 1e-5, "mamba2": 1e-5}  # stock runs the GDN/SSD scans in fp32
+
+inputs = st.fixed_dictionaries({
+    "lengths": st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    "source": st.sampled_from(["position_ids", "collator", "seq_idx", "cu_seq_lens only"]),
+    "mask": st.sampled_from(["none", "ones", "tail padding", "4-D causal"]),
+    "cache": st.sampled_from(["default", "off", "explicit empty"]),
+    "labels": st.sampled_from(["none", "collator", "input_ids"]),
+})
+
+
+def _call(model_type: str, case: dict) -> tuple[dict, list[torch.Tensor], int]:
+    """The keyword arguments of one forward, the samples, and the number of real tokens in the row."""
+    generator = torch.Generator().manual_seed(sum(case["lengths"]) * 7 + len(case["lengths"]))
+    samples = [torch.randint(3, 128, (n,), generator=generator) for n in case["lengths"]]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+        [{"input_ids": s.tolist()} for s in samples])
+    real = batch["input_ids"].shape[1]
+    pad = 2 if case["mask"] == "tail padding" else 0
+    if pad:  # the row's tail is a padding span of its own
+        batch["input_ids"] = torch.cat([batch["input_ids"], torch.zeros(1, pad, dtype=torch.long)], 1)
+        batch["position_ids"] = torch.cat([batch["position_ids"], torch.arange(pad)[None]], 1)
+        batch["labels"] = torch.cat([batch["labels"], torch.full((1, pad), -100)], 1)
+        batch["seq_idx"] = torch.cat([batch["seq_idx"], torch.full((1, pad), len(samples))], 1).int()
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.cat(
+            [batch["cu_seq_lens_q"], torch.tensor([real + pad], dtype=batch["cu_seq_lens_q"].dtype)])
+        batch["max_length_q"] = batch["max_length_k"] = max(batch["max_length_q"], pad)
+    call = {"input_ids": batch["input_ids"]}
+    if case["source"] != "cu_seq_lens only":
+        call["position_ids"] = batch["position_ids"]
+    if case["source"] in ("collator", "cu_seq_lens only"):
+        call |= {name: batch[name] for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    if case["source"] == "seq_idx":
+        call["seq_idx"] = batch["seq_idx"]
+    length = real + pad
+    if case["mask"] in ("ones", "tail padding"):
+        call["attention_mask"] = (torch.arange(length) < real).long()[None]
+    elif case["mask"] == "4-D causal":
+        call["attention_mask"] = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    if case["cache"] == "off":
+        call["use_cache"] = False
+    elif case["cache"] == "explicit empty":
+        call["past_key_values"] = DynamicCache(config=shared_pair(model_type)[0].config)
+        call["use_cache"] = True
+    if case["labels"] == "collator":
+        call["labels"] = batch["labels"]
+    elif case["labels"] == "input_ids":
+        call["labels"] = batch["input_ids"]
+    return call, samples, real
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
+@given(case=inputs)
+def test_every_input_is_exact_or_a_documented_refusal(model_type: str, case: dict) -> None:
+    model, stock = shared_pair(model_type)
+    call, samples, real = _call(model_type, case)
+    try:
+        with torch.no_grad():
+            logits = model(**call).logits[0]
+    except ValueError as error:
+        assert DOCUMENTED_REFUSALS.search(str(error)), f"undocumented refusal: {error}"
+        return
+    with torch.no_grad():
+        for index, (piece, sample) in enumerate(zip(logits[:real].split(case["lengths"]), samples)):
+            alone = stock(input_ids=sample[None], use_cache=False).logits[0]
+            assert_close(piece, alone, atol=TOLERANCE[model_type], rtol=0, what=f"{model_type} {case} sample {index}")
