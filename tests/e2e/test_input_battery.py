@@ -25,7 +25,7 @@ DOCUMENTED_REFUSALS = re.compile(
         r"contradict",
     ])
 )
-TOLERANCE = {"llama": 1e-9, "qwen3_next": 1e-5, "mamba2": 1e-5}  # stock runs the GDN/SSD scans in fp32
+TOLERANCE = {"llama": 1e-9, "qwen3_next": 1e-5, "mamba2": 1e-5, "lfm2": 1e-9}  # stock: GDN/SSD scans in fp32
 
 inputs = st.fixed_dictionaries({
     "lengths": st.lists(st.integers(1, 7), min_size=1, max_size=3),
@@ -76,7 +76,7 @@ def _call(model_type: str, case: dict) -> tuple[dict, list[torch.Tensor], int]:
     return call, samples, real
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2", "lfm2"])  # attention, GDN, SSD, conv
 @given(case=inputs)
 def test_every_input_is_exact_or_a_documented_refusal(model_type: str, case: dict) -> None:
     model, stock = shared_pair(model_type)
