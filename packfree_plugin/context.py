@@ -322,6 +322,7 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     takes_kwargs = var_keyword is not None
     bound = signature.bind_partial(module, *args, **kwargs).arguments
     arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
+    _refuse_flat_mrope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
     if boundaries is not None:
@@ -338,6 +339,34 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             kwargs["position_ids"] = boundaries.position_ids
     _STACK.items[-1] = boundaries
     return args, kwargs
+
+
+_VISUAL_INPUTS = ("pixel_values", "pixel_values_videos")
+
+
+def _uses_mrope(config: Any) -> bool:
+    """Whether a model's rotary positions are multimodal (MRoPE: separate t/h/w position planes)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for part in (config, text):
+        rope = getattr(part, "rope_parameters", None) or getattr(part, "rope_scaling", None)
+        if isinstance(rope, dict) and any("mrope" in str(key) for key in rope):
+            return True
+    return False
+
+
+def _refuse_flat_mrope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
+    """2-D ``position_ids`` with images on an MRoPE model: the model would copy them into its three planes and
+    image tokens would lose their (t, h, w) positions, in every sample (the first one too)."""
+    position_ids = arguments.get("position_ids")
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2
+            or all(arguments.get(name) is None for name in _VISUAL_INPUTS)
+            or not _uses_mrope(getattr(module, "config", None))):
+        return
+    raise ValueError(
+        f"{type(module).__name__} got 2-D position_ids together with images or videos; its multimodal RoPE needs "
+        "each token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes them), "
+        "or the [3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T"
+    )
 
 
 def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
