@@ -254,10 +254,17 @@ class Boundaries:
             host = host[0]
         if host.ndim not in (2, 3):
             raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
-        kept = _host_padding_mask(attention_mask) if attention_mask is not None else None
+        if attention_mask is None:  # every token kept: one vectorised pass
+            if host.ndim == 3:
+                starts = (host == 0).all(dim=0)
+            else:
+                starts = torch.ones_like(host, dtype=torch.bool)
+                starts[:, 1:] = host[:, 1:] != host[:, :-1] + 1
+            return cls.from_starts(starts, device=device)
+        kept = _host_padding_mask(attention_mask)
         starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
         for row in range(starts.shape[0]):
-            tokens = kept[row].nonzero().flatten() if kept is not None else torch.arange(starts.shape[1])
+            tokens = kept[row].nonzero().flatten()
             ids = host[..., row, tokens]
             if ids.ndim == 2:  # MRoPE planes without a text plane: a sample starts where all components are 0
                 row_starts = (ids == 0).all(dim=0)
@@ -275,8 +282,6 @@ class Boundaries:
                     "from the row, or restart the position ids at 0 after it if a new sample starts there"
                 )
             starts[row, tokens] = row_starts
-        if kept is None:
-            return cls.from_starts(starts, device=device)
         starts[:, 1:] |= kept[:, 1:] != kept[:, :-1]  # padding spans are segments of their own
         return cls.from_starts(starts, device=device)._with_padding(kept)
 
