@@ -44,36 +44,34 @@ def segment_attention(
 
     ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
     """
-    row_lengths: list[list[tuple[int, bool]]] = [[] for _ in range(boundaries.batch_size)]
+    batch, heads, seq_len, _ = query.shape
+    # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
+    # these are usually views, not copies
+    flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
+                              for t in (query, key, value))
+    short: dict[int, list[int]] = {}  # length -> start offsets of the samples of that length, run together
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat token indices, output [n, L, H, Dv])
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
-        row_lengths[start // boundaries.seq_len].append((length, padding))
-    # torch.split (not slicing) so that backward assembles each gradient with one cat instead of
-    # one full-size zero tensor per segment; 4-D [1, H, L, D] pieces so CPU SDPA takes its flash kernel.
-    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    rows: list[list[int]] = []  # indices into pieces, per row
-    outputs: list[torch.Tensor | None] = []
-    short: dict[int, list[int]] = {}  # length -> pieces of that length, run together
-    for q_row, k_row, v_row, segments in zip(query.split(1), key.split(1), value.split(1), row_lengths):
-        lengths = [length for length, _ in segments]
-        rows.append([])
-        for q, k, v, (length, padding) in zip(q_row.split(lengths, dim=2), k_row.split(lengths, dim=2),
-                                              v_row.split(lengths, dim=2), segments):
-            rows[-1].append(len(pieces))
-            pieces.append((q, k, v))
-            outputs.append(query.new_zeros(1, query.shape[1], length, value.shape[-1]) if padding else None)
-            if not padding and length <= BATCHED_UP_TO:
-                short.setdefault(length, []).append(len(pieces) - 1)
-    for members in short.values():
-        if len(members) == 1:
+        if padding:
+            continue  # padding spans keep the zeros they start with
+        if length <= BATCHED_UP_TO:
+            short.setdefault(length, []).append(start)
             continue
-        batched = _one_segment(*(torch.cat([pieces[i][part] for i in members]) for part in range(3)), options,
-                               training=training, query_block=query_block)
-        for index, out in zip(members, batched.split(1)):
-            outputs[index] = out
-    for index, out in enumerate(outputs):
-        if out is None:
-            outputs[index] = _one_segment(*pieces[index], options, training=training, query_block=query_block)
-    return torch.cat([torch.cat([outputs[i] for i in row], dim=2) for row in rows]).transpose(1, 2).contiguous()
+        out = _one_segment(*(t[start:start + length].transpose(0, 1)[None] for t in (flat_q, flat_k, flat_v)),
+                           options, training=training, query_block=query_block)
+        pieces.append((torch.arange(start, start + length), out.transpose(1, 2)))
+    for length, starts in short.items():
+        index = torch.tensor(starts)[:, None] + torch.arange(length)  # [n, L]
+        on_device = index.to(query.device)
+        out = _one_segment(*(t[on_device].transpose(1, 2) for t in (flat_q, flat_k, flat_v)), options,
+                           training=training, query_block=query_block)
+        pieces.append((index, out.transpose(1, 2)))
+    result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
+    if pieces:
+        where = torch.cat([index.reshape(-1) for index, _ in pieces]).to(query.device)
+        values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for _, out in pieces])
+        result = result.index_copy(0, where, values.to(result.dtype))
+    return result.view(batch, seq_len, heads, value.shape[-1])
 
 
 def _one_segment(
