@@ -349,18 +349,25 @@ def _uses_mrope(config: Any) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for part in (config, text):
         rope = getattr(part, "rope_parameters", None) or getattr(part, "rope_scaling", None)
-        if isinstance(rope, dict) and any("mrope" in str(key) for key in rope):
+        if isinstance(rope, dict) and any("mrope" in str(item) for item in (*rope, *rope.values())):
             return True
     return False
 
 
 def _refuse_flat_mrope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
-    """2-D ``position_ids`` with images on an MRoPE model: the model would copy them into its three planes and
-    image tokens would lose their (t, h, w) positions, in every sample (the first one too)."""
+    """Position ids whose form does not fit the model's rotary scheme. 2-D ids with images on an MRoPE model:
+    the model would copy them into its three planes and image tokens would lose their (t, h, w) positions,
+    in every sample (the first one too). 3-D ids on a model without MRoPE: transformers fails deep inside."""
     position_ids = arguments.get("position_ids")
+    config = getattr(module, "config", None)
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not _uses_mrope(config):
+        raise ValueError(
+            f"{type(module).__name__} got position_ids of shape {list(position_ids.shape)}: [R, B, T] ids are for "
+            "multimodal RoPE, which this model does not use. Pass [B, T] ids"
+        )
     if (not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2
             or all(arguments.get(name) is None for name in _VISUAL_INPUTS)
-            or not _uses_mrope(getattr(module, "config", None))):
+            or not _uses_mrope(config)):
         return
     raise ValueError(
         f"{type(module).__name__} got 2-D position_ids together with images or videos; its multimodal RoPE needs "

@@ -273,6 +273,13 @@ def test_cu_seq_lens_without_position_ids_number_positions_per_sample(model_type
         assert_close(piece, expected, atol=reference_tolerance(model_type), rtol=0, what=f"{model_type} sample {index}")
 
 
+def test_three_plane_position_ids_on_a_model_without_mrope_are_refused_clearly() -> None:
+    model, _ = pair("llama")
+    positions = torch.tensor([[0, 1, 2, 0, 1]]).expand(3, 1, 5)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\[R, B, T\] ids are for multimodal RoPE"):
+        model(input_ids=torch.randint(3, 128, (1, 5)), position_ids=positions)
+
+
 def test_no_dense_mask_is_built_for_a_packed_batch(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a dense attention mask was requested for a packed batch")
