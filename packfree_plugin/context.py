@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -43,6 +45,7 @@ from torch import nn
 from .boundaries import Boundaries
 
 __all__ = [
+    "ForwardParameters",
     "NativeCall",
     "apply_model_hook",
     "boundaries_for",
@@ -129,12 +132,56 @@ def exit_native() -> None:
 
 
 # ------------------------------------------------------------------------------ reading the batch
+@dataclass(frozen=True)
+class ForwardParameters:
+    """A forward's parameters, read once per class (or instance forward), so that binding a call is plain dict
+    work, which torch.compile traces (``inspect`` is not traceable). Used for models here and for mixers in
+    :mod:`.adapters.registry`."""
+
+    names: tuple[str, ...]
+    """Named parameters, in order."""
+    positional: int
+    """How many of ``names`` positional arguments can fill (the rest are keyword-only)."""
+    var_keyword: str | None
+    """Name of the ``**kwargs`` parameter, None without one."""
+
+    @classmethod
+    def of(cls, forward: Callable) -> ForwardParameters:
+        parameters = inspect.signature(forward).parameters.values()
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = tuple(p.name for p in parameters if p.kind in by_position)
+        keyword_only = tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        var_keyword = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        return cls(positional + keyword_only, len(positional), var_keyword)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.names or self.var_keyword is not None
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Like ``inspect.Signature.bind(*args, **kwargs).arguments``: named arguments, and the rest of the keywords
+        under the ``**kwargs`` parameter's name."""
+        if len(args) > self.positional:
+            raise TypeError(f"too many positional arguments: {len(args)} for {list(self.names[:self.positional])}")
+        arguments = dict(zip(self.names, args))
+        extra = {}
+        for name, value in kwargs.items():
+            if name in arguments:
+                raise TypeError(f"multiple values for argument {name!r}")
+            if name in self.names:
+                arguments[name] = value
+            elif self.var_keyword is not None:
+                extra[name] = value
+            else:
+                raise TypeError(f"unexpected keyword argument {name!r}")
+        if extra:
+            arguments[self.var_keyword] = extra
+        return arguments
+
+
 @cache
-def _forward_parameters(cls: type) -> tuple[inspect.Signature, str | None]:
-    """Signature of ``cls.forward`` and the name of its ``**kwargs`` parameter (None if it has none)."""
-    signature = inspect.signature(cls.forward)
-    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    return signature, var_keyword
+def _model_parameters(cls: type) -> ForwardParameters:
+    """Parameters of ``cls.forward``, ``self`` included."""
+    return ForwardParameters.of(cls.forward)
 
 
 def _tokens(arguments: dict[str, Any]) -> Any:
@@ -161,17 +208,13 @@ def _cache_holds_tokens(past: Any) -> bool:
                 return True
         return False
     if isinstance(past, (list, tuple)):  # legacy tuples, RWKV's state list
-        return any(isinstance(t, torch.Tensor) and t.numel() > 0 for t in _flat(past))
+        from .adapters.generic import tensor_leaves
+
+        return any(t.numel() > 0 for t in tensor_leaves(past))
     seq_length = getattr(past, "get_seq_length", None)
     if callable(seq_length):
         return seq_length() > 0
     return True  # an unknown cache type: assume it holds tokens, so a packed batch is refused, never mixed
-
-
-def _flat(tree: Any) -> list[Any]:
-    if isinstance(tree, (list, tuple)):
-        return [leaf for item in tree for leaf in _flat(item)]
-    return [tree]
 
 
 def _packing_signs(arguments: dict[str, Any]) -> list[str]:
@@ -285,8 +328,9 @@ def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return tokens if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 else None
 
 
-def _fits(boundaries: Boundaries, tokens: torch.Tensor | None) -> bool:
-    return tokens is not None and boundaries.describes(*tokens.shape[:2])
+def _fits(boundaries: Boundaries, tokens: Any) -> bool:
+    """Whether ``tokens`` is a ``[B, T, ...]`` tensor that ``boundaries`` describe."""
+    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
 
 
 def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:
@@ -306,8 +350,7 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
     parent = current()
     if parent is None or kwargs.get("use_cache") is not False:
         return None
-    tokens = _call_tokens(args, kwargs)
-    return parent if tokens is not None and parent.describes(*tokens.shape[:2]) else None
+    return parent if _fits(parent, _call_tokens(args, kwargs)) else None
 
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
@@ -318,22 +361,22 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     _push(None)
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
-    signature, var_keyword = _forward_parameters(type(module))
-    takes_kwargs = var_keyword is not None
-    bound = signature.bind_partial(module, *args, **kwargs).arguments
-    arguments = {**bound.pop(var_keyword, {}), **bound} if takes_kwargs else dict(bound)
-    _refuse_flat_mrope_ids(module, arguments)
+    parameters = _model_parameters(type(module))
+    takes_kwargs = parameters.var_keyword is not None
+    bound = parameters.bind((module, *args), kwargs)
+    arguments = {**bound.pop(parameters.var_keyword, {}), **bound} if takes_kwargs else dict(bound)
+    _check_rope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
-    boundaries = outer if outer is not None and _same_tokens(outer, arguments) else boundaries_for_call(arguments)
+    boundaries = outer if outer is not None and _fits(outer, _tokens(arguments)) else boundaries_for_call(arguments)
     if boundaries is not None:
         if boundaries.is_packed and "use_cache" in bound and "use_cache" not in kwargs:  # passed positionally
-            index = list(signature.parameters).index("use_cache") - 1  # without self
+            index = parameters.names.index("use_cache") - 1  # without self
             args = (*args[:index], False, *args[index + 1:])
-        elif boundaries.is_packed and ("use_cache" in signature.parameters or takes_kwargs):
+        elif boundaries.is_packed and ("use_cache" in parameters.names or takes_kwargs):
             kwargs["use_cache"] = False
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries
-        if boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in signature.parameters:
+        if boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in parameters.names:
             # boundaries from cu_seq_lens / seq_idx alone: positions restart in every sample, as each sample alone
             # would number them (the model would otherwise count 0..T-1 across the row)
             kwargs["position_ids"] = boundaries.position_ids
@@ -354,31 +397,26 @@ def _uses_mrope(config: Any) -> bool:
     return False
 
 
-def _refuse_flat_mrope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
-    """Position ids whose form does not fit the model's rotary scheme. 2-D ids with images on an MRoPE model:
-    the model would copy them into its three planes and image tokens would lose their (t, h, w) positions,
-    in every sample (the first one too). 3-D ids on a model without MRoPE: transformers fails deep inside."""
+def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
+    """Refuse position ids whose form does not fit the model's rotary scheme: 3-D ids on a model without MRoPE
+    (transformers fails deep inside), and 2-D ids with images on an MRoPE model (the model would copy them into
+    its three planes, and image tokens would lose their (t, h, w) positions in every sample, the first too)."""
     position_ids = arguments.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor):
+        return
     config = getattr(module, "config", None)
-    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not _uses_mrope(config):
+    if position_ids.ndim == 3 and not _uses_mrope(config):
         raise ValueError(
             f"{type(module).__name__} got position_ids of shape {list(position_ids.shape)}: [R, B, T] ids are for "
             "multimodal RoPE, which this model does not use. Pass [B, T] ids"
         )
-    if (not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2
-            or all(arguments.get(name) is None for name in _VISUAL_INPUTS)
-            or not _uses_mrope(config)):
-        return
-    raise ValueError(
-        f"{type(module).__name__} got 2-D position_ids together with images or videos; its multimodal RoPE needs "
-        "each token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes them), "
-        "or the [3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T"
-    )
-
-
-def _same_tokens(boundaries: Boundaries, arguments: dict[str, Any]) -> bool:
-    tokens = _tokens(arguments)
-    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
+    if position_ids.ndim == 2 and any(arguments.get(name) is not None for name in _VISUAL_INPUTS) \
+            and _uses_mrope(config):
+        raise ValueError(
+            f"{type(module).__name__} got 2-D position_ids together with images or videos; its multimodal RoPE "
+            "needs each token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes "
+            "them), or the [3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T"
+        )
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..boundaries import Boundaries
 
-__all__ = ["length_buckets", "run_unpacked"]
+__all__ = ["length_buckets", "run_unpacked", "tensor_leaves"]
 
 
 def length_buckets(lengths: list[int], *, max_waste: float = 0.25) -> list[list[int]]:
@@ -38,13 +38,14 @@ def length_buckets(lengths: list[int], *, max_waste: float = 0.25) -> list[list[
     return buckets
 
 
-def _leaves(tree: Any) -> list[torch.Tensor]:
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a tree of tuples, lists and dicts, in order."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     if isinstance(tree, (tuple, list)):
-        return [leaf for item in tree for leaf in _leaves(item)]
+        return [leaf for item in tree for leaf in tensor_leaves(item)]
     if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in _leaves(item)]
+        return [leaf for item in tree.values() for leaf in tensor_leaves(item)]
     return []
 
 
@@ -73,13 +74,13 @@ def run_unpacked(
     the result has that structure with every tensor scattered back into packed order.
     """
     batch, seq_len = boundaries.batch_size, boundaries.seq_len
-    for leaf in _leaves(hidden_states):
+    for leaf in tensor_leaves(hidden_states):
         if leaf.ndim < 2 or leaf.shape[1] != seq_len or leaf.shape[0] not in (1, batch):
             raise ValueError(
                 f"per-token input of shape {list(leaf.shape)} does not match the packed boundaries "
                 f"[B={batch}, T={seq_len}]"
             )
-    device = _leaves(hidden_states)[0].device
+    device = tensor_leaves(hidden_states)[0].device
 
     def with_zero_row(leaf: torch.Tensor) -> torch.Tensor:
         # one extra zero row that padded positions gather from

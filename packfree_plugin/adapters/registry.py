@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import boundaries_for
+from ..context import ForwardParameters, boundaries_for
 from .generic import run_unpacked
 from .routes import routed_kernels_of
 
@@ -36,13 +35,12 @@ __all__ = ["MixerAdapter", "REGISTRY", "check_coverage", "dense_causal_mask", "p
 
 _EARLIER_FORWARD = "_packfree_earlier_forward"
 
+_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
-_CLEARED_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state", "attention_mask",
-                       "cache_position", "mask", "conv_mask")
+_CLEARED_PARAMETERS = (*_CACHE_PARAMETERS, "attention_mask", "cache_position", "mask", "conv_mask")
 _DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
                    "packfree_boundaries", "use_cache")
 
-_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 _BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
@@ -196,62 +194,19 @@ def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
     return mask
 
 
-@dataclass(frozen=True)
-class _ForwardParameters:
-    """A mixer forward's parameters (without ``self``), read once when the model is prepared, so that binding a
-    call is plain dict work that torch.compile traces (``inspect`` is not traceable)."""
-
-    names: tuple[str, ...]
-    """Named parameters, in order (those positional arguments fill)."""
-    var_keyword: str | None
-    """Name of the ``**kwargs`` parameter, None without one."""
-
-    @classmethod
-    def of(cls, forward: Callable) -> _ForwardParameters:
-        parameters = inspect.signature(forward).parameters.values()
-        names = tuple(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                               inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                               inspect.Parameter.KEYWORD_ONLY))
-        var_keyword = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-        return cls(names, var_keyword)
-
-    def accepts(self, name: str) -> bool:
-        return name in self.names or self.var_keyword is not None
-
-    def bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Like ``inspect.Signature.bind(*args, **kwargs).arguments``: named arguments, and the rest of the keywords
-        under the ``**kwargs`` parameter's name."""
-        if len(args) > len(self.names):
-            raise TypeError(f"too many positional arguments: {len(args)} for {list(self.names)}")
-        arguments = dict(zip(self.names, args))
-        extra = {}
-        for name, value in kwargs.items():
-            if name in arguments:
-                raise TypeError(f"multiple values for argument {name!r}")
-            if name in self.names:
-                arguments[name] = value
-            elif self.var_keyword is not None:
-                extra[name] = value
-            else:
-                raise TypeError(f"unexpected keyword argument {name!r}")
-        if extra:
-            arguments[self.var_keyword] = extra
-        return arguments
-
-
-_PARAMETERS: dict[type, _ForwardParameters] = {}
+_PARAMETERS: dict[type, ForwardParameters] = {}
 """Mixer class -> parameters of its own ``forward``; filled by :func:`wrap_mixers` when a model is prepared."""
 _EARLIER_PARAMETERS = "_packfree_earlier_forward_parameters"
 
 
-def _parameters(layer: nn.Module) -> _ForwardParameters:
+def _parameters(layer: nn.Module) -> ForwardParameters:
     """Parameters of the layer's own forward (:func:`_own_forward`)."""
     earlier = layer.__dict__.get(_EARLIER_PARAMETERS)
     if earlier is not None:
         return earlier
     parameters = _PARAMETERS.get(type(layer))
     if parameters is None:  # a model unpickled in a new process: its classes were never prepared here
-        parameters = _PARAMETERS[type(layer)] = _ForwardParameters.of(functools.partial(type(layer).forward, layer))
+        parameters = _PARAMETERS[type(layer)] = ForwardParameters.of(functools.partial(type(layer).forward, layer))
     return parameters
 
 
@@ -319,7 +274,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         if not _is_wrapped(module):
             if "forward" in module.__dict__:
                 module.__dict__[_EARLIER_FORWARD] = module.__dict__["forward"]
-                module.__dict__[_EARLIER_PARAMETERS] = _ForwardParameters.of(module.__dict__["forward"])
+                module.__dict__[_EARLIER_PARAMETERS] = ForwardParameters.of(module.__dict__["forward"])
             _parameters(module)  # read the forward's parameters now, outside any compiled region
             module.forward = functools.partial(_mixer_forward, module)
         if adapter.native is not None:
