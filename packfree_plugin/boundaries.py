@@ -255,22 +255,12 @@ class Boundaries:
         if host.ndim not in (2, 3):
             raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
         if attention_mask is None:  # every token kept: one vectorised pass
-            if host.ndim == 3:
-                starts = (host == 0).all(dim=0)
-            else:
-                starts = torch.ones_like(host, dtype=torch.bool)
-                starts[:, 1:] = host[:, 1:] != host[:, :-1] + 1
-            return cls.from_starts(starts, device=device)
+            return cls.from_starts(_id_starts(host, planes=host.ndim == 3), device=device)
         kept = _host_padding_mask(attention_mask)
         starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
         for row in range(starts.shape[0]):
             tokens = kept[row].nonzero().flatten()
-            ids = host[..., row, tokens]
-            if ids.ndim == 2:  # MRoPE planes without a text plane: a sample starts where all components are 0
-                row_starts = (ids == 0).all(dim=0)
-            else:
-                row_starts = torch.ones_like(ids, dtype=torch.bool)
-                row_starts[1:] = ids[1:] != ids[:-1] + 1
+            row_starts = _id_starts(host[..., row, tokens], planes=host.ndim == 3)
             after_gap = torch.zeros_like(row_starts)
             after_gap[1:] = tokens[1:] > tokens[:-1] + 1
             holes = (after_gap & ~row_starts).nonzero().flatten()
@@ -393,6 +383,17 @@ class Boundaries:
             padding=[kept == 0 for kept in kept_per_segment],
             cu_seqlens=self._device_forms.get("cu_seqlens"),
         )
+
+
+def _id_starts(ids: torch.Tensor, *, planes: bool) -> torch.Tensor:
+    """Where samples start by the position-ids rule, along the last axis of host ids ``[..., L]``; with ``planes``
+    the first axis holds MRoPE planes without a text plane and a sample starts where every plane is 0 (that
+    axis is dropped). Bool."""
+    if planes:
+        return (ids == 0).all(dim=0)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1] + 1
+    return starts
 
 
 def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:

@@ -59,16 +59,15 @@ def segment_attention(
             continue
         out = _one_segment(*(t[start:start + length].transpose(0, 1)[None] for t in (flat_q, flat_k, flat_v)),
                            options, training=training, query_block=query_block)
-        pieces.append((torch.arange(start, start + length), out.transpose(1, 2)))
+        pieces.append((torch.arange(start, start + length, device=query.device), out.transpose(1, 2)))
     for length, starts in short.items():
-        index = torch.tensor(starts)[:, None] + torch.arange(length)  # [n, L]
-        on_device = index.to(query.device)
-        out = _one_segment(*(t[on_device].transpose(1, 2) for t in (flat_q, flat_k, flat_v)), options,
+        index = (torch.tensor(starts)[:, None] + torch.arange(length)).to(query.device)  # [n, L]
+        out = _one_segment(*(t[index].transpose(1, 2) for t in (flat_q, flat_k, flat_v)), options,
                            training=training, query_block=query_block)
         pieces.append((index, out.transpose(1, 2)))
     result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
     if pieces:
-        where = torch.cat([index.reshape(-1) for index, _ in pieces]).to(query.device)
+        where = torch.cat([index.reshape(-1) for index, _ in pieces])
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for _, out in pieces])
         result = result.index_copy(0, where, values.to(result.dtype))
     return result.view(batch, seq_len, heads, value.shape[-1])
