@@ -16,6 +16,7 @@ SUITES = {
     "real sizes (published widths)": "benchmarks.real_sizes",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
     "compiled training step (inductor)": "benchmarks.compiled",
+    "load-time gate": "benchmarks.gate_cost",
 }
 
 

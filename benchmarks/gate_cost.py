@@ -1,21 +1,17 @@
-"""What the gate costs at load: ``python -m packfree_plugin.gate.timing``.
+"""What the load-time gate costs: ``python -m benchmarks.gate_cost [--quick]``; ``nox -s bench`` runs it too.
 
-For a few classes it times what a load costs at the gate: :func:`~.admission.admit` on a verified class (a
-lookup), and :func:`~.admission.prove_tiny_copy`, the proof every unverified class pays once per config
-(build the tiny packfree model and its stock twin, run the packed rows and each sample alone; for a class
-the gate refuses, also the diagnosis that names the wrong modules). Prints the median of ``--repeats`` runs
-after one warm-up each, as a Markdown table.
+For a few classes it times what a load costs at the gate: :func:`packfree_plugin.gate.admit` on a verified
+class (a lookup), and :func:`packfree_plugin.gate.admission.prove_tiny_copy`, the proof every unverified class
+pays once per config (build the tiny packfree model and its stock twin, run the packed rows and each sample
+alone; for a class the gate refuses, also the diagnosis that names the wrong modules). Median of several runs
+after one warm-up each.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
 
-__all__ = ["main", "median_seconds"]
+from benchmarks.attention import median_seconds
 
 CASES = (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
          ("qwen3_next", "Qwen3NextForCausalLM"), ("mixtral", "MixtralForCausalLM"), ("bert", "BertModel"),
@@ -23,45 +19,35 @@ CASES = (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("gemma3_
 """(model type, class): the first six are exact (proved like an unverified class), the last two refused."""
 
 
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``run`` after one warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m packfree_plugin.gate.timing", description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
+def run(quick: bool = False) -> list[dict]:
     import torch
     import transformers
 
-    from . import admission
-    from .admission import bypassed
-    from .shrink import tiny_config_for
+    from packfree_plugin.gate import admission
+    from packfree_plugin.gate.admission import bypassed
+    from packfree_plugin.gate.shrink import tiny_config_for
 
-    torch.set_num_threads(args.threads)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} threads, "
-          f"median of {args.repeats}\n")
-    print("| class | verified: admit() | unverified: proof on a tiny copy | verdict |\n|---|---|---|---|")
-    for model_type, name in CASES:
-        cls = getattr(transformers, name)
-        with bypassed():
-            model = cls._from_config(tiny_config_for(model_type), attn_implementation="sdpa")
-        verdict = admission.prove_tiny_copy(model).kind
-        unverified = median_seconds(lambda: admission.prove_tiny_copy(model), args.repeats)
-        verified = "-"
-        if admission.is_verified(model):
-            verified = f"{median_seconds(lambda: admission.admit(model), args.repeats) * 1e6:.0f} us"
-        print(f"| {name} | {verified} | {unverified:.2f} s | {verdict} |", flush=True)
-    return 0
+    repeats = 2 if quick else 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    rows = []
+    try:
+        for model_type, name in CASES:
+            cls = getattr(transformers, name)
+            with bypassed():
+                model = cls._from_config(tiny_config_for(model_type), attn_implementation="sdpa")
+            verdict = admission.prove_tiny_copy(model).kind
+            unverified = median_seconds(lambda: admission.prove_tiny_copy(model), repeats)
+            verified = None
+            if admission.is_verified(model):
+                verified = round(median_seconds(lambda: admission.admit(model), repeats) * 1e6)
+            rows.append({"class": name, "verified: admit() us": verified,
+                         "unverified: proof on a tiny copy s": round(unverified, 2), "verdict": verdict})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    for row in run(quick="--quick" in sys.argv):
+        print(row)

@@ -5,7 +5,6 @@
 - :mod:`.admission`: :func:`admit`, called at load; verified classes pass, others are proved or refused.
 - :mod:`.sweep`: proves every model type of the installed transformers; writes ``verified.json`` and the
   support matrix (``python -m packfree_plugin.gate.sweep``).
-- :mod:`.timing`: what the gate costs at load (``python -m packfree_plugin.gate.timing``).
 """
 
 from __future__ import annotations
