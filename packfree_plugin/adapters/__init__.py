@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import apply_model_hook
+from .heads import wrap_heads
 from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
 __all__ = [
@@ -39,5 +40,6 @@ def apply(model: nn.Module) -> nn.Module:
     check_coverage(model)
     admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
+    wrap_heads(model)
     apply_model_hook(model, layer_hooks=bool(mixers))
     return model
