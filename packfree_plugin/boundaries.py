@@ -29,12 +29,14 @@ so any number of layers can ask for any form without another device sync.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["Boundaries"]
+
+_Form = TypeVar("_Form")
 
 
 def _require_integer(name: str, tensor: torch.Tensor) -> None:
@@ -115,13 +117,14 @@ class Boundaries:
         """True when some row holds more than one sample (padding spans do not count)."""
         self.has_padding: bool = any(padding)
         self.host_offsets = torch.tensor(offsets, dtype=torch.long)
-        """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive)."""
+        """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive; built here, outside
+        any graph, so that a graph takes it as data)."""
         self.host_padding = torch.tensor(padding, dtype=torch.bool)
         """``[N]`` bool on the CPU: the padding flags as a tensor."""
         self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
-        self._device_forms: dict[str, torch.Tensor] = {}
+        self._device_forms: dict[str, Any] = {}
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 
@@ -137,7 +140,10 @@ class Boundaries:
         return len(self.offsets) - 1
 
     # ------------------------------------------------------------------------------- device forms
-    def _memo(self, name: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def memo(self, name: str, build: Callable[[], _Form]) -> _Form:
+        """The form ``name`` of these boundaries, built by ``build()`` on first use and kept: the device forms
+        below, and what consumers derive once per forward rather than once per layer (e.g. the portable
+        attention's sample groups)."""
         form = self._device_forms.get(name)
         if form is None:
             form = self._device_forms[name] = build()
@@ -151,12 +157,12 @@ class Boundaries:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """``[N+1]`` int32 on :attr:`device`: segment offsets over the flattened ``B * T`` tokens."""
-        return self._memo("cu_seqlens", lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
+        return self.memo("cu_seqlens", lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
 
     @property
     def seq_idx(self) -> torch.Tensor:
         """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
-        return self._memo(
+        return self.memo(
             "seq_idx", lambda: self._per_token(torch.arange(self.num_segments, dtype=torch.int32)).to(self.device)
         )
 
@@ -168,12 +174,12 @@ class Boundaries:
             positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long).view_as(starts) - starts
             return positions.to(self.device)
 
-        return self._memo("position_ids", build)
+        return self.memo("position_ids", build)
 
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return self._memo("padding_tokens", lambda: self._per_token(self.host_padding).to(self.device))
+        return self.memo("padding_tokens", lambda: self._per_token(self.host_padding).to(self.device))
 
     def __repr__(self) -> str:
         return (

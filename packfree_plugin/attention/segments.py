@@ -15,6 +15,8 @@ recompile when the packing changes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,64 @@ QUERY_BLOCK = 256
 BATCHED_UP_TO = 64
 """Segments up to this length that share a length run as one batched call (many short samples would
 otherwise cost one call each)."""
+
+
+@dataclass(frozen=True)
+class _Group:
+    """``count`` samples of one ``length`` run as one batched call. ``start``: their first token when they lie back
+    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens."""
+
+    length: int
+    count: int
+    start: int | None
+    index: torch.Tensor | None
+
+    def tokens(self, device: torch.device) -> torch.Tensor:
+        """``[count * length]`` flat token indices."""
+        if self.index is not None:
+            return self.index.reshape(-1)
+        return torch.arange(self.start, self.start + self.count * self.length, device=device)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one packing runs: its groups, and where their outputs go (``where [tokens]``, None when the one group
+    is the whole batch in order)."""
+
+    groups: tuple[_Group, ...]
+    where: torch.Tensor | None
+
+
+def _plan(boundaries: Boundaries, device: torch.device) -> _Plan:
+    """Group the samples of ``boundaries`` (long ones alone, short ones by length); built once per forward."""
+    runs: list[tuple[int, list[int]]] = []
+    short: dict[int, list[int]] = {}
+    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
+        if padding:
+            continue  # padding spans keep the zeros they start with
+        if length <= BATCHED_UP_TO:
+            short.setdefault(length, []).append(start)
+        else:
+            runs.append((length, [start]))
+    groups = []
+    for length, starts in (*runs, *short.items()):
+        if starts == list(range(starts[0], starts[0] + length * len(starts), length)):
+            groups.append(_Group(length, len(starts), starts[0], None))
+        else:
+            index = (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
+            groups.append(_Group(length, len(starts), None, index))
+    total = boundaries.batch_size * boundaries.seq_len
+    if len(groups) == 1 and groups[0].start == 0 and groups[0].count * groups[0].length == total:
+        return _Plan(tuple(groups), None)
+    return _Plan(tuple(groups), torch.cat([group.tokens(device) for group in groups]) if groups else None)
+
+
+def _gather(flat: torch.Tensor, group: _Group) -> torch.Tensor:
+    """``flat [B*T, H, D]`` -> the group's ``[n, H, L, D]``."""
+    if group.index is None:
+        tokens = flat[group.start:group.start + group.count * group.length]
+        return tokens.view(group.count, group.length, *flat.shape[1:]).transpose(1, 2)
+    return flat[group.index].transpose(1, 2)
 
 
 def segment_attention(
@@ -49,27 +109,18 @@ def segment_attention(
     # these are usually views, not copies
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
                               for t in (query, key, value))
-    short: dict[int, list[int]] = {}  # length -> start offsets of the samples of that length, run together
-    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat token indices, output [n, L, H, Dv])
-    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
-        if padding:
-            continue  # padding spans keep the zeros they start with
-        if length <= BATCHED_UP_TO:
-            short.setdefault(length, []).append(start)
-            continue
-        out = _one_segment(*(t[start:start + length].transpose(0, 1)[None] for t in (flat_q, flat_k, flat_v)),
-                           options, training=training, query_block=query_block)
-        pieces.append((torch.arange(start, start + length, device=query.device), out.transpose(1, 2)))
-    for length, starts in short.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(length)).to(query.device)  # [n, L]
-        out = _one_segment(*(t[index].transpose(1, 2) for t in (flat_q, flat_k, flat_v)), options,
-                           training=training, query_block=query_block)
-        pieces.append((index, out.transpose(1, 2)))
+    plan = boundaries.memo(f"segment_attention_plan:{query.device}", lambda: _plan(boundaries, query.device))
+    outputs = [
+        _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
+                     training=training, query_block=query_block).transpose(1, 2)  # [n, L, H, Dv]
+        for group in plan.groups
+    ]
+    if plan.where is None and outputs:  # one group: the whole batch, in order
+        return outputs[0].reshape(batch, seq_len, heads, value.shape[-1]).to(query.dtype)
     result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
-    if pieces:
-        where = torch.cat([index.reshape(-1) for index, _ in pieces])
-        values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for _, out in pieces])
-        result = result.index_copy(0, where, values.to(result.dtype))
+    if plan.where is not None:
+        values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])
+        result = result.index_copy(0, plan.where, values.to(result.dtype))
     return result.view(batch, seq_len, heads, value.shape[-1])
 
 
