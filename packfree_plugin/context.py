@@ -59,6 +59,7 @@ __all__ = [
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
+_LAYERS_ATTR = "_packfree_hooked_layers"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
@@ -437,11 +438,23 @@ def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def _carry_in_layers(model: nn.Module) -> None:
     """Wrap the checkpoint function of every checkpointing decoder layer of ``model`` before its first call.
     (transformers < 5.24 checkpoints a layer's ``__call__``, so the checkpoint function is taken before the
-    layer's own pre-hook could wrap it, and the first step's recomputation would run without boundaries.)"""
-    for layer in model.modules():
+    layer's own pre-hook could wrap it, and the first step's recomputation would run without boundaries.)
+    The hooked decoder layers are listed once per model (:func:`apply_model_hook`), not found per forward."""
+    layers = model.__dict__.get(_LAYERS_ATTR)
+    if layers is None:  # a model prepared by an earlier packfree, or a nested model called on its own
+        layers = model.__dict__[_LAYERS_ATTR] = _hooked_layers(model)
+    for layer in layers:
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-        if checkpoint is not None and hasattr(layer, _HANDLES_ATTR) and not hasattr(checkpoint, _CARRIES_ATTR):
+        if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
             _wrap_checkpoint(layer)
+
+
+def _hooked_layers(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The decoder layers of ``model`` that carry packfree's layer hooks."""
+    from transformers import PreTrainedModel
+
+    return tuple(module for module in model.modules()
+                 if hasattr(module, _HANDLES_ATTR) and not isinstance(module, PreTrainedModel))
 
 
 @torch.compiler.disable  # once per layer, when gradient checkpointing is first seen
@@ -494,4 +507,7 @@ def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
         )
         setattr(module, _HANDLES_ATTR, handles)
         hooked += 1
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.__dict__[_LAYERS_ATTR] = _hooked_layers(module)
     return hooked
