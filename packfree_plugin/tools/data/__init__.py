@@ -1,4 +1,5 @@
-"""Real supervised fine-tuning text embedded in the package: the GSM8K test split (MIT, see LICENSE-GSM8K).
+"""Real supervised fine-tuning data embedded in the package: the GSM8K test split (MIT, see LICENSE-GSM8K) and
+45 captioned CC0 / public-domain images (see LICENSE-IMAGES.md).
 
 The file is read through :mod:`importlib.resources`, so it works from a source checkout, an installed wheel
 or a zip import alike, and nothing outside the package is ever read.
@@ -10,9 +11,12 @@ import json
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
-__all__ = ["GSM8K_RESOURCE", "GSM8K_TEST_RECORDS", "format_sft", "load_gsm8k"]
+import numpy
+
+__all__ = ["GSM8K_RESOURCE", "GSM8K_TEST_RECORDS", "CaptionedImage", "format_sft", "load_captioned_images",
+           "load_gsm8k"]
 
 #: Name of the embedded file inside this package.
 GSM8K_RESOURCE = "gsm8k_test.jsonl"
@@ -73,3 +77,22 @@ def format_sft(record: Mapping[str, Any]) -> str:
     except KeyError as exc:
         raise ValueError(f"record lacks {exc.args[0]!r}; keys are {sorted(record)}") from None
     return f"Question: {str(question).strip()}\nAnswer: {str(answer).strip()}"
+
+
+class CaptionedImage(NamedTuple):
+    """One embedded image with its text: ``pixels`` uint8 ``[H, W, 3]``."""
+
+    name: str
+    pixels: numpy.ndarray
+    question: str
+    answer: str
+
+
+def load_captioned_images(limit: int | None = None) -> list[CaptionedImage]:
+    """The 45 embedded captioned images (``images.npz`` + ``image_captions.json``), in file order."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    package = resources.files(__name__)
+    records = json.loads(package.joinpath("image_captions.json").read_text(encoding="utf-8"))[:limit]
+    with package.joinpath("images.npz").open("rb") as stream, numpy.load(stream) as arrays:
+        return [CaptionedImage(r["image"], arrays[r["image"]], r["question"], r["answer"]) for r in records]
