@@ -195,9 +195,10 @@ class StepPacker:
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train(model, samples: list[list[int]], collator: Callable, *, steps: int, batch_size: int,
+def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: int, batch_size: int,
           learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True) -> RunResult:
-    """``steps`` optimizer steps of the HF ``Trainer`` on ``samples`` in order, ``batch_size`` per step."""
+    """``steps`` optimizer steps of the HF ``Trainer`` on ``features`` (dicts with ``input_ids``, and whatever
+    else the collator reads) in order, ``batch_size`` per step."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     losses: list[float] = []
@@ -231,7 +232,7 @@ def train(model, samples: list[list[int]], collator: Callable, *, steps: int, ba
         save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         dataloader_pin_memory=False, disable_tqdm=not progress, remove_unused_columns=False,
     )
-    dataset = [{"input_ids": s} for s in samples[: steps * batch_size]]
+    dataset = features[: steps * batch_size]
     trainer = LossRecordingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                    callbacks=[Recorder()])
     counts_slots = hasattr(collator, "slot_tokens")
@@ -268,9 +269,10 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
         padded_model = _build(config, "sdpa", initial, options.seed)
     except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager
         padded_model = _build(config, "eager", initial, options.seed)
-    padded = train(padded_model, samples, PaddedCollator(), label="padded", **common)
+    features = [{"input_ids": sample} for sample in samples]
+    padded = train(padded_model, features, PaddedCollator(), label="padded", **common)
     packed_model = _build(config, "packfree", initial, options.seed)
-    packed = train(packed_model, samples, StepPacker(options.max_tokens), label="packed", **common)
+    packed = train(packed_model, features, StepPacker(options.max_tokens), label="packed", **common)
     return {"padded": padded, "packed": packed, "config": config, "vocab": vocab, "samples": count,
             "padded_model": padded_model, "packed_model": packed_model}
 
