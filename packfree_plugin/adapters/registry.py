@@ -112,13 +112,15 @@ def positions_per_sample(num_samples: int, length: int, device: torch.device) ->
 
 
 def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
-                      additive_dtype: torch.dtype | None = None, causal: bool = True) -> torch.Tensor:
+                      additive_dtype: torch.dtype | None = None, causal: bool = True,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, 1, L, L]`` causal mask of a right-padded sample batch (True / 0.0 where a query may attend).
 
     ``window``: transformers' sliding window (a query sees the ``window`` most recent keys, itself included).
     ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
-    ``causal=False``: every key visible (a batch of unpadded samples of one length, for a bidirectional layer
-    that reads a missing mask as causal, as transformers' sdpa does for a module without ``is_causal``).
+    ``causal=False``: a bidirectional mask (for a layer that would read a missing mask as causal, as
+    transformers' sdpa does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are
+    real tokens (None: all).
     """
     query = torch.arange(length, device=device)[:, None]
     key = torch.arange(length, device=device)[None, :]
@@ -126,6 +128,8 @@ def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, wi
     if window is not None:
         allowed = allowed & (key > query - window)
     allowed = allowed.expand(num_samples, 1, length, length)
+    if keys is not None:
+        allowed = allowed & keys[:, None, None, :]
     if additive_dtype is None:
         return allowed
     return torch.zeros((), dtype=additive_dtype, device=device).masked_fill(~allowed, torch.finfo(additive_dtype).min)
@@ -142,9 +146,8 @@ the others (attention weights ``[n, H, L, L]``) come back None."""
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
     parameters = _parameters(layer)
-    extra = dict(arguments.pop("kwargs", {}))
-    for name in _DROPPED_KWARGS:
-        extra.pop(name, None)
+    given = arguments.pop("kwargs", {})
+    extra = {name: value for name, value in given.items() if name not in _DROPPED_KWARGS}
     token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
     for name in _CLEARED_PARAMETERS:
@@ -154,6 +157,8 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
         fixed["use_cache"] = False
     indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
     causal = adapter.attention is None or (adapter.causal(layer) if callable(adapter.causal) else adapter.causal)
+    if not boundaries.is_packed and (not causal or any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
+        return _whole_batch(adapter, layer, original, boundaries, {**arguments, **given}, causal=causal)
     unsplit = [name for name, value in fixed.items() if isinstance(value, torch.Tensor) and value.ndim >= 2
                and (name == "encoder_hidden_states" or not causal)]
     if unsplit:  # every group would get the whole row's tensor: cross-attention states, LUKE's entities, ...
@@ -189,6 +194,22 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
         return hidden
     by_index = dict(zip(indices, hidden))
     return tuple(by_index.get(i) for i in range(returned[0]))
+
+
+def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
+                 arguments: dict[str, Any], *, causal: bool) -> Any:
+    """An attention layer's own forward on a batch of one sample per row (``[B, T, ...]``), with its cache, under
+    the dense mask stock would give it: padding keys hidden, causal (and windowed) where the layer is. So a prefill
+    fills the cache as stock does, and a bidirectional layer that lets padding reach real tokens (ConvBERT's span
+    convolutions) computes what stock computes."""
+    if "attention_mask" not in adapter.token_args:
+        hidden = arguments[adapter.hidden_arg]
+        arguments["attention_mask"] = dense_causal_mask(
+            boundaries.batch_size, boundaries.seq_len, hidden.device, window=getattr(layer, "sliding_window", None),
+            additive_dtype=hidden.dtype if adapter.attention == "eager" else None, causal=causal,
+            keys=~boundaries.padding_tokens if boundaries.has_padding else None)
+    return original(**{k: v for k, v in arguments.items() if k != "packfree_boundaries" and k not in _BOUNDARY_INPUTS
+                       and _parameters(layer).accepts(k)})
 
 
 class _StockAttention:
