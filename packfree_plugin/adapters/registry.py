@@ -114,19 +114,21 @@ def positions_per_sample(num_samples: int, length: int, device: torch.device) ->
 def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
                       additive_dtype: torch.dtype | None = None, causal: bool = True,
                       keys: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n, 1, L, L]`` causal mask of a right-padded sample batch (True / 0.0 where a query may attend).
+    """``[n, 1, L, L]`` dense mask of a sample batch, causal unless ``causal=False`` (True / 0.0 where a query may
+    attend).
 
-    ``window``: transformers' sliding window (a query sees the ``window`` most recent keys, itself included).
+    ``window``: transformers' sliding window in its attention-function convention (causal: a query sees the
+    ``window`` most recent keys, itself included; bidirectional: keys less than ``window`` away).
     ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
-    ``causal=False``: a bidirectional mask (for a layer that would read a missing mask as causal, as
-    transformers' sdpa does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are
-    real tokens (None: all).
+    ``causal=False``: bidirectional (for a layer that would read a missing mask as causal, as transformers' sdpa
+    does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are real tokens (None: all);
+    a query that then sees no key (left padding) is left so, as in transformers' own masks.
     """
     query = torch.arange(length, device=device)[:, None]
     key = torch.arange(length, device=device)[None, :]
     allowed = key <= query if causal else torch.ones(length, length, dtype=torch.bool, device=device)
     if window is not None:
-        allowed = allowed & (key > query - window)
+        allowed = allowed & ((key > query - window) if causal else ((key - query).abs() < window))
     allowed = allowed.expand(num_samples, 1, length, length)
     if keys is not None:
         allowed = allowed & keys[:, None, None, :]
@@ -157,7 +159,8 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
         fixed["use_cache"] = False
     indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
     causal = adapter.attention is None or (adapter.causal(layer) if callable(adapter.causal) else adapter.causal)
-    if not boundaries.is_packed and (not causal or any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
+    if adapter.attention is not None and not boundaries.is_packed and (
+            not causal or any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
         return _whole_batch(adapter, layer, original, boundaries, {**arguments, **given}, causal=causal)
     unsplit = [name for name, value in fixed.items() if isinstance(value, torch.Tensor) and value.ndim >= 2
                and (name == "encoder_hidden_states" or not causal)]
@@ -202,7 +205,7 @@ def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, bo
     the dense mask stock would give it: padding keys hidden, causal (and windowed) where the layer is. So a prefill
     fills the cache as stock does, and a bidirectional layer that lets padding reach real tokens (ConvBERT's span
     convolutions) computes what stock computes."""
-    if "attention_mask" not in adapter.token_args:
+    if "attention_mask" not in adapter.token_args:  # a layer given the model's 4-D mask: stock's, in its form
         hidden = arguments[adapter.hidden_arg]
         arguments["attention_mask"] = dense_causal_mask(
             boundaries.batch_size, boundaries.seq_len, hidden.device, window=getattr(layer, "sliding_window", None),

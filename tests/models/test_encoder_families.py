@@ -235,17 +235,37 @@ def test_luke_entities_with_a_packed_row_are_refused() -> None:
 @pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text", "qwen4_exp_text", "deepseek_v4",
                                         "minimax_m3_vl_text"])
 def test_attention_tier_prefill_fills_the_cache(model_type: str) -> None:
-    """The same tier's decoders (layers run under stock attention): an unpacked prefill runs the whole batch with the
-    layer's cache, so generate() equals stock (it used to run per sample without the cache: later steps were wrong)."""
+    """The same tier's decoders (layers run under stock attention): an unpacked prefill of a left-padded batch runs
+    the whole batch with the layer's cache and stock's padding mask, so generate() equals stock (it used to run per
+    sample without the cache: later steps were wrong)."""
     from tests.models.test_hybrids import pair as hybrid_pair
     from tests.models.test_hybrids import samples_for
 
     model, stock = hybrid_pair(model_type)
-    prompt = samples_for([6])[0][None]
+    short, long = samples_for([4, 7], seed=2)
+    input_ids = torch.stack([torch.cat([short.new_zeros(3), short]), long])
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
     settings = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                    pad_token_id=0)
+                    pad_token_id=0, attention_mask=attention_mask)
     with torch.no_grad():
-        ours, theirs = model.generate(prompt, **settings), stock.generate(prompt, **settings)
+        ours, theirs = model.generate(input_ids, **settings), stock.generate(input_ids, **settings)
     assert torch.equal(ours.sequences, theirs.sequences)
     for step, (mine, reference) in enumerate(zip(ours.scores, theirs.scores)):
         assert_close(mine, reference, atol=1e-5, rtol=1e-5, what=f"{model_type} step {step}")
+
+
+def test_left_padded_generate_equals_stock() -> None:
+    """A causal variant's left-padded batch: the prefill fills the cache under stock's padding mask."""
+    model, stock = pair("RemBertForCausalLM")
+    short, long = samples(model, [3, 6])
+    input_ids = torch.stack([torch.cat([short.new_zeros(3), short]), long])
+    attention_mask = (input_ids != 0).long()
+    attention_mask[1] = 1
+    settings = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                    pad_token_id=0, attention_mask=attention_mask)
+    with torch.no_grad():
+        ours, theirs = model.generate(input_ids, **settings), stock.generate(input_ids, **settings)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for step, (mine, reference) in enumerate(zip(ours.scores, theirs.scores)):
+        assert_close(mine, reference, atol=ATOL, rtol=1e-4, what=f"step {step}")
