@@ -6,6 +6,8 @@ same weights on stock (``sdpa``, else ``eager``): a packed row (boundaries from 
 ``DataCollatorWithFlattening``'s ``cu_seq_lens``) equals each sample run alone; an unpacked padded batch with an
 ``attention_mask`` equals stock on the same batch at its real tokens; gradients of a packed row equal the sum of
 the samples' own. The ``ForCausalLM`` variants run with ``is_decoder=True`` (causal) and generate as stock does.
+Bidirectional sliding windows (tiny window 4, crossed by every sample) come in both of transformers' conventions:
+ModernBERT passes ``config.sliding_window + 1`` to its attention, T5Gemma's encoder ``config.sliding_window``.
 What cannot be exact is refused at load or on the packed row with a ``ValueError`` naming the class and cause.
 """
 
@@ -48,6 +50,7 @@ EXACT: dict[str, tuple[str, dict]] = {
     "ModernBertForMaskedLM": ("modernbert", {}),
     "ModernBertForTokenClassification": ("modernbert", {}),
     "UltrabertForMaskedLM": ("ultrabert", {}),
+    "T5GemmaEncoderModel": ("t5gemma", {"is_encoder_decoder": False}),  # the other window convention
     "IBertForMaskedLM": ("ibert", {}),
     "LukeForMaskedLM": ("luke", {}),
     "MPNetForMaskedLM": ("mpnet", {}),
@@ -269,3 +272,17 @@ def test_left_padded_generate_equals_stock() -> None:
     assert torch.equal(ours.sequences, theirs.sequences)
     for step, (mine, reference) in enumerate(zip(ours.scores, theirs.scores)):
         assert_close(mine, reference, atol=ATOL, rtol=1e-4, what=f"step {step}")
+
+
+def test_the_mask_half_width_table_names_installed_classes() -> None:
+    """Each layer named in the table exists in the installed transformers and is bidirectional with a window."""
+    import importlib
+
+    from packfree_plugin.attention.interface import MASK_HALF_WIDTH_WINDOWS
+
+    modules = {"T5GemmaSelfAttention": "t5gemma", "MuseGlimmerAssistantAttention": "muse_glimmer_assistant"}
+    assert set(modules) == MASK_HALF_WIDTH_WINDOWS
+    for name, model_type in modules.items():
+        source = inspect.getsource(getattr(importlib.import_module(f"transformers.models.{model_type}.modeling_"
+                                                                   f"{model_type}"), name))
+        assert "sliding_window=self.sliding_window" in source and "config.sliding_window + 1" not in source
