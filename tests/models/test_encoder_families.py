@@ -286,3 +286,31 @@ def test_the_mask_half_width_table_names_installed_classes() -> None:
         source = inspect.getsource(getattr(importlib.import_module(f"transformers.models.{model_type}.modeling_"
                                                                    f"{model_type}"), name))
         assert "sliding_window=self.sliding_window" in source and "config.sliding_window + 1" not in source
+
+
+@pytest.mark.parametrize("cls_name", ["LayoutLMForMaskedLM", "RemBertForCausalLM", "DebertaV2ForMaskedLM"])
+def test_gradient_checkpointing_recomputes_what_the_forward_computed(cls_name: str) -> None:
+    """Training mode (dropout on, same seed): with gradient checkpointing, backward's recomputation runs per sample
+    as the forward did, so the gradients equal those without it."""
+    model, stock = pair(cls_name)
+    batch = packed_inputs(cls_name, stock, samples(model), "position_ids")
+    weights = torch.randn(sum(LENGTHS), model.config.vocab_size, generator=torch.Generator().manual_seed(4))
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        torch.manual_seed(5)
+        (output(model(**batch))[0] * weights).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    model.train()
+    try:
+        expected = gradients()
+        model.gradient_checkpointing_enable()
+        got = gradients()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        model.zero_grad()
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert_close(grad, expected[name], atol=1e-5, rtol=1e-4, what=f"{cls_name} {name}")
