@@ -40,7 +40,8 @@ ENCODERS = register_adapter(MixerAdapter(
     attention="eager", causal=False,
     notes="scores + mask in their own attention code; MPNet's relative-position bias is built from the row's "
           "shape; Nyströmformer's landmarks pool the sequence; ConvBERT's span convolutions and FNet's Fourier "
-          "transform run along it; SqueezeBERT's grouped convolutions have kernel size 1 (per token, not mixers: the encoder covers them)",
+          "transform run along it; SqueezeBERT's grouped convolutions have kernel size 1 (per token: not mixers, "
+          "but covered with its encoder)",
 ))
 LUKE_ENCODER = register_adapter(MixerAdapter(
     "luke_encoder", ("LukeEncoder",), hidden_arg="word_hidden_states", attention="eager", causal=False,

@@ -105,7 +105,8 @@ def output(result) -> torch.Tensor:
 
 def stock_positions(stock: torch.nn.Module, sample: torch.Tensor) -> torch.Tensor:
     """The position ids stock's embeddings use for ``sample`` alone: ``[n]``."""
-    embedding = next(module for name, module in stock.named_modules() if name.endswith("embeddings.position_embeddings"))
+    embedding = next(module for name, module in stock.named_modules()
+                     if name.endswith("embeddings.position_embeddings"))
     seen = []
     handle = embedding.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     try:
