@@ -23,7 +23,8 @@ class AttentionOptions:
     visible from query ``i`` iff ``i - W < j <= i``; bidirectional, iff ``|i - j| < W``. (Bidirectional models
     whose masks allow ``|i - j| <= w`` pass ``W = w + 1``: ModernBERT's ``config.sliding_window + 1``; the
     interface converts the few that pass ``w``.) ``softcap``: logits become ``softcap * tanh(logits / softcap)``.
-    ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax and carries no value. ``dropout``: probability applied to the attention weights.
+    ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax and carries no value.
+    ``dropout``: probability applied to the attention weights.
     """
 
     scale: float
