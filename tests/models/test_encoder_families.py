@@ -14,7 +14,9 @@ What cannot be exact is refused at load or on the packed row with a ``ValueError
 from __future__ import annotations
 
 import inspect
+import re
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,17 +277,31 @@ def test_left_padded_generate_equals_stock() -> None:
         assert_close(mine, reference, atol=ATOL, rtol=1e-4, what=f"step {step}")
 
 
-def test_the_mask_half_width_table_names_installed_classes() -> None:
-    """Each layer named in the table exists in the installed transformers and is bidirectional with a window."""
+def test_the_tables_name_installed_classes() -> None:
+    """Every class the encoder adapters and refusals name exists in the installed transformers; each layer in the
+    half-width table exists where its model does, is bidirectional and passes ``config.sliding_window`` itself."""
     import importlib
 
+    from packfree_plugin.adapters import encoders
+    from packfree_plugin.adapters.registry import REGISTRY
     from packfree_plugin.attention.interface import MASK_HALF_WIDTH_WINDOWS
 
-    modules = {"T5GemmaSelfAttention": "t5gemma", "MuseGlimmerAssistantAttention": "muse_glimmer_assistant"}
-    assert set(modules) == MASK_HALF_WIDTH_WINDOWS
-    for name, model_type in modules.items():
-        source = inspect.getsource(getattr(importlib.import_module(f"transformers.models.{model_type}.modeling_"
-                                                                   f"{model_type}"), name))
+    named = {name for name, adapter in REGISTRY.items() if adapter.family in
+             {"bert_era_encoder", "encoder", "luke_encoder", "layoutlm_attention", "padding_mask_encoder"}}
+    pattern = re.compile(r"^class (\w+)\(", re.MULTILINE)
+    defined = {name for path in (Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")
+               for name in pattern.findall(path.read_text(encoding="utf-8"))}
+    assert len(named) == 17 and not (named | set(encoders.ENCODER_REFUSED)) - defined
+    folders = {"T5GemmaSelfAttention": "t5gemma", "MuseGlimmerAssistantAttention": "muse_glimmer_assistant"}
+    assert set(folders) == MASK_HALF_WIDTH_WINDOWS
+    for name, folder in folders.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+        except ModuleNotFoundError:  # a model newer than this transformers: nothing to check
+            assert folder != "t5gemma", "T5Gemma is in every supported transformers"
+            continue
+        source = inspect.getsource(getattr(module, name))
+        assert "self.is_causal = False" in source or "self.is_causal = config.is_decoder" in source
         assert "sliding_window=self.sliding_window" in source and "config.sliding_window + 1" not in source
 
 
