@@ -3,8 +3,9 @@
 The samples of a packed batch are regrouped into a small number of right-padded batches of similar
 lengths (length bucketing bounds the padding to ``max_waste``), the layer's own forward runs on each
 with no cache and no mask, and the outputs are scattered back into packed order. Right padding is safe
-because every mixer this tier serves is causal: a padding token comes after the real ones and cannot
-reach them. Padding segments of the packed batch get zeros. Differentiable end to end.
+for causal mixers: a padding token comes after the real ones and cannot reach them. Bidirectional layers
+(encoders) would see it, so they run in groups of samples of one length (``max_waste=0``), unpadded.
+Padding segments of the packed batch get zeros. Differentiable end to end.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def run_unpacked(
 
     ``hidden_states`` is a tensor ``[B, T, C]`` or a tuple/list/dict of them (e.g. hidden states together with
     ``input_ids`` or per-token ``(cos, sin)``); a leaf ``[1, T, ...]`` is shared by every row. ``run`` gets the
-    same structure for each right-padded group of samples and returns a tensor or a tuple (entries may be None);
-    the result has that structure with every tensor scattered back into packed order.
+    same structure for each right-padded group of samples and returns a tensor or a tuple/list/dict of them
+    (nested, entries may be None); the result has that structure with every tensor scattered back into packed order.
+    ``max_waste``: padding allowed per group (:func:`length_buckets`); 0 runs only samples of one length together,
+    so no sample is padded at all (what bidirectional layers need).
     """
     batch, seq_len = boundaries.batch_size, boundaries.seq_len
     for leaf in tensor_leaves(hidden_states):
@@ -107,13 +110,17 @@ def run_unpacked(
         destinations.append(index[keep])
     where = torch.cat(destinations)
 
-    def scatter(pieces: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def scatter(pieces: list[Any]) -> Any:
+        """One output (a tensor, None, or a tuple/list/dict of them) per group -> that structure in packed order."""
+        first = pieces[0]
+        if isinstance(first, (tuple, list)):
+            return type(first)(scatter([piece[i] for piece in pieces]) for i in range(len(first)))
+        if isinstance(first, dict):
+            return {key: scatter([piece[key] for piece in pieces]) for key in first}
         if any(piece is None for piece in pieces):
             return None
         gathered = torch.cat([piece[keep] for piece, keep in zip(pieces, keeps)])
         result = gathered.new_zeros(batch * seq_len, *gathered.shape[1:]).index_copy(0, where, gathered)
         return result.view(batch, seq_len, *gathered.shape[1:])
 
-    if isinstance(outputs[0], tuple):
-        return tuple(scatter([out[i] for out in outputs]) for i in range(len(outputs[0])))
     return scatter(outputs)

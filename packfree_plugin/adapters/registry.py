@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
 from ..context import ForwardParameters, boundaries_for
@@ -68,6 +69,9 @@ class MixerAdapter:
     (unless ``attention_mask`` is one of ``token_args``: a layer that takes a 2-D padding mask gets it per sample);
     when decoding from a cache it gets transformers' own mask. Either way its attention calls resolve to
     that stock implementation, so the layer computes exactly what stock transformers computes.
+    ``causal``: whether such an attention layer masks the future, or a function of the layer that says it (BERT-era
+    encoders turn causal with ``config.is_decoder``). A bidirectional layer runs on groups of samples of one
+    length, unpadded (a padding key would be visible to it), with a mask that hides nothing.
     """
 
     family: str
@@ -78,6 +82,7 @@ class MixerAdapter:
     output_index: int | tuple[int, ...] | None = None
     per_sample: Callable[[int, int, torch.device], dict[str, Any]] | None = None
     attention: str | None = None
+    causal: bool | Callable[[nn.Module], bool] = True
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -107,30 +112,44 @@ def positions_per_sample(num_samples: int, length: int, device: torch.device) ->
 
 
 def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
-                      additive_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[n, 1, L, L]`` causal mask of a right-padded sample batch (True / 0.0 where a query may attend).
+                      additive_dtype: torch.dtype | None = None, causal: bool = True,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, 1, L, L]`` dense mask of a sample batch, causal unless ``causal=False`` (True / 0.0 where a query may
+    attend).
 
-    ``window``: transformers' sliding window (a query sees the ``window`` most recent keys, itself included).
+    ``window``: transformers' sliding window in its attention-function convention (causal: a query sees the
+    ``window`` most recent keys, itself included; bidirectional: keys less than ``window`` away).
     ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
+    ``causal=False``: bidirectional (for a layer that would read a missing mask as causal, as transformers' sdpa
+    does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are real tokens (None: all);
+    a query that then sees no key (left padding) is left so, as in transformers' own masks.
     """
     query = torch.arange(length, device=device)[:, None]
     key = torch.arange(length, device=device)[None, :]
-    allowed = key <= query
+    allowed = key <= query if causal else torch.ones(length, length, dtype=torch.bool, device=device)
     if window is not None:
-        allowed = allowed & (key > query - window)
+        allowed = allowed & ((key > query - window) if causal else ((key - query).abs() < window))
     allowed = allowed.expand(num_samples, 1, length, length)
+    if keys is not None:
+        allowed = allowed & keys[:, None, None, :]
     if additive_dtype is None:
         return allowed
     return torch.zeros((), dtype=additive_dtype, device=device).masked_fill(~allowed, torch.finfo(additive_dtype).min)
+
+
+_MAX_WASTE = 0.25
+"""Padding a group of causal samples may carry (:func:`.generic.length_buckets`)."""
+_PER_TOKEN_FIELDS = ("last_hidden_state", "hidden_states")
+"""Fields of an encoder's ``ModelOutput`` that are per token (``[n, L, C]`` or a tuple of them) and come back packed;
+the others (attention weights ``[n, H, L, L]``) come back None."""
 
 
 @torch.compiler.disable  # per-sample groups follow the packing: compiled, every new packing would recompile
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
     parameters = _parameters(layer)
-    extra = dict(arguments.pop("kwargs", {}))
-    for name in _DROPPED_KWARGS:
-        extra.pop(name, None)
+    given = arguments.pop("kwargs", {})
+    extra = {name: value for name, value in given.items() if name not in _DROPPED_KWARGS}
     token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
     for name in _CLEARED_PARAMETERS:
@@ -139,7 +158,18 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
     if "use_cache" in parameters.names:
         fixed["use_cache"] = False
     indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
-    returned = []  # how many entries the layer's own output tuple has
+    causal = adapter.attention is None or (adapter.causal(layer) if callable(adapter.causal) else adapter.causal)
+    if adapter.attention is not None and not boundaries.is_packed and (
+            not causal or any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
+        return _whole_batch(adapter, layer, original, boundaries, {**arguments, **given}, causal=causal)
+    unsplit = [name for name, value in fixed.items() if isinstance(value, torch.Tensor) and value.ndim >= 2
+               and (name == "encoder_hidden_states" or not causal)]
+    if unsplit:  # every group would get the whole row's tensor: cross-attention states, LUKE's entities, ...
+        raise ValueError(
+            f"{type(layer).__name__} got {', '.join(unsplit)} (not per token) with packed boundaries; packfree "
+            "cannot tell which sample each of its rows belongs to. Pass one sample per row for this input"
+        )
+    returned = []  # the layer's own output: how many entries its tuple has, or its ModelOutput class
 
     def run(tokens: tuple) -> Any:
         samples = tokens[0]
@@ -149,19 +179,40 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
         if adapter.attention is not None and "attention_mask" not in token_names:
             call["attention_mask"] = dense_causal_mask(
                 samples.shape[0], samples.shape[1], samples.device, window=getattr(layer, "sliding_window", None),
-                additive_dtype=samples.dtype if adapter.attention == "eager" else None)
+                additive_dtype=samples.dtype if adapter.attention == "eager" else None, causal=causal)
         out = original(**{k: v for k, v in call.items() if parameters.accepts(k)})
+        if isinstance(out, ModelOutput):  # an encoder's output: its per-token fields
+            returned[:] = [type(out)]
+            return {name: out.get(name) for name in _PER_TOKEN_FIELDS}
         if indices is None:
             return out
         returned[:] = [len(out)]
         return tuple(out[i] for i in indices)
 
     tokens = tuple(arguments[name] for name in token_names)
-    hidden = run_unpacked(run, tokens, boundaries)
+    hidden = run_unpacked(run, tokens, boundaries, max_waste=_MAX_WASTE if causal else 0.0)
+    if returned and not isinstance(returned[0], int):
+        return returned[0](**hidden)
     if indices is None:
         return hidden
     by_index = dict(zip(indices, hidden))
     return tuple(by_index.get(i) for i in range(returned[0]))
+
+
+def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
+                 arguments: dict[str, Any], *, causal: bool) -> Any:
+    """An attention layer's own forward on a batch of one sample per row (``[B, T, ...]``), with its cache, under
+    the dense mask stock would give it: padding keys hidden, causal (and windowed) where the layer is. So a prefill
+    fills the cache as stock does, and a bidirectional layer that lets padding reach real tokens (ConvBERT's span
+    convolutions) computes what stock computes."""
+    if "attention_mask" not in adapter.token_args:  # a layer given the model's 4-D mask: stock's, in its form
+        hidden = arguments[adapter.hidden_arg]
+        arguments["attention_mask"] = dense_causal_mask(
+            boundaries.batch_size, boundaries.seq_len, hidden.device, window=getattr(layer, "sliding_window", None),
+            additive_dtype=hidden.dtype if adapter.attention == "eager" else None, causal=causal,
+            keys=~boundaries.padding_tokens if boundaries.has_padding else None)
+    return original(**{k: v for k, v in arguments.items() if k != "packfree_boundaries" and k not in _BOUNDARY_INPUTS
+                       and _parameters(layer).accepts(k)})
 
 
 class _StockAttention:
@@ -171,14 +222,17 @@ class _StockAttention:
         self.layer = layer
         self.saved = layer.__dict__.get("config")
         stock = layer.__dict__.get("_packfree_stock_config")
-        if stock is None or stock._attn_implementation != implementation:
+        if self.saved is None:  # a module that reads no config (DeBERTa's encoder): nothing to switch
+            stock = None
+        elif stock is None or stock._attn_implementation != implementation:
             stock = copy.copy(layer.config)
             stock._attn_implementation_internal = implementation
             layer.__dict__["_packfree_stock_config"] = stock
         self.stock = stock
 
     def __enter__(self) -> None:
-        self.layer.__dict__["config"] = self.stock
+        if self.stock is not None:
+            self.layer.__dict__["config"] = self.stock
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is None:
@@ -264,7 +318,7 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
 
 def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
     """Give every covered mixer in ``model`` its packed forward (idempotent); returns ``(path, tier)`` pairs."""
-    from . import families  # noqa: F401  (fills REGISTRY)
+    from . import encoders, families  # noqa: F401  (fill REGISTRY)
 
     wrapped = []
     for path, module in model.named_modules():
@@ -299,7 +353,7 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
 def check_coverage(model: nn.Module) -> None:
     """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
     packfree knows it cannot run exactly (:data:`.families.REFUSED`)."""
-    from . import families  # noqa: F401  (fills REGISTRY)
+    from . import encoders, families  # noqa: F401  (fill REGISTRY)
 
     covered: set[str] = set()
     unknown: set[str] = set()

@@ -134,6 +134,22 @@ def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
     return chosen.run(query, key, value, boundaries, options, training=training)
 
 
+MASK_HALF_WIDTH_WINDOWS: frozenset[str] = frozenset({"T5GemmaSelfAttention", "MuseGlimmerAssistantAttention"})
+"""Bidirectional layers that pass their mask's half-width ``w`` itself as ``sliding_window`` (stock's sdpa mask,
+``create_bidirectional_sliding_window_mask``, allows ``|i - j| <= w``; their flash path gets one less). The others
+pass flash's ``w + 1`` (ModernBERT's ``config.sliding_window + 1``), transformers' attention-kwarg convention."""
+
+
+def _window(module: torch.nn.Module, sliding_window: int | None, *, causal: bool) -> int | None:
+    """The layer's ``sliding_window`` in the attention-kwarg convention of :class:`AttentionOptions`: the one its
+    stock sdpa mask applies."""
+    if not sliding_window:
+        return None
+    if not causal and type(module).__name__ in MASK_HALF_WIDTH_WINDOWS:
+        return sliding_window + 1
+    return sliding_window
+
+
 def packfree_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -158,10 +174,11 @@ def packfree_attention_forward(
             "know how to apply it and will not ignore it silently (use attn_implementation='sdpa'/'eager' for this "
             "model, or register a MixerAdapter with attention='sdpa' for this layer)"
         )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     options = AttentionOptions(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        causal=is_causal if is_causal is not None else getattr(module, "is_causal", True),
-        window=sliding_window or None,
+        causal=causal,
+        window=_window(module, sliding_window, causal=causal),
         softcap=softcap or None,
         sinks=sinks,
         dropout=dropout,

@@ -18,10 +18,13 @@ __all__ = ["AttentionOptions", "eager_attention", "visible_keys"]
 class AttentionOptions:
     """What one attention call asks for, independent of the backend.
 
-    ``window``: transformers' sliding-window size ``W``; causal: key ``j`` is visible from query ``i`` iff
-    ``i - W < j <= i``; bidirectional: iff ``|i - j| <= W``. ``softcap``: logits become
-    ``softcap * tanh(logits / softcap)``. ``sinks``: one learned logit per query head (gpt-oss) that joins
-    the softmax and carries no value. ``dropout``: probability applied to the attention weights.
+    ``window``: the ``sliding_window`` ``W`` transformers passes to its attention functions, in flash-attention's
+    convention (``window_size = (W - 1, 0)`` causal, ``(W - 1, W - 1)`` bidirectional): causal, key ``j`` is
+    visible from query ``i`` iff ``i - W < j <= i``; bidirectional, iff ``|i - j| < W``. (Bidirectional models
+    whose masks allow ``|i - j| <= w`` pass ``W = w + 1``: ModernBERT's ``config.sliding_window + 1``; the
+    interface converts the few that pass ``w``.) ``softcap``: logits become ``softcap * tanh(logits / softcap)``.
+    ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax and carries no value.
+    ``dropout``: probability applied to the attention weights.
     """
 
     scale: float
@@ -55,7 +58,7 @@ def visible_keys(
         if window is not None:
             visible = visible & (k_pos > q_pos - window)
     else:
-        visible = (k_pos - q_pos).abs() <= window
+        visible = (k_pos - q_pos).abs() < window
     return visible
 
 

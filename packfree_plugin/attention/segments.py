@@ -162,7 +162,7 @@ def _keys_in_reach(q_start: int, q_end: int, length: int, options: AttentionOpti
         return (0 if window is None else max(0, q_start - window + 1)), q_end
     if window is None:
         return 0, length
-    return max(0, q_start - window), min(length, q_end + window)
+    return max(0, q_start - window + 1), min(length, q_end + window - 1)
 
 
 def _block(

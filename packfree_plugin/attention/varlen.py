@@ -49,7 +49,7 @@ def _window(options: AttentionOptions) -> tuple[int, int]:
     """transformers' window ``W`` -> flash's ``(left, right)`` (see :class:`AttentionOptions`)."""
     if options.causal:
         return (-1, 0) if options.window is None else (options.window - 1, 0)
-    return (-1, -1) if options.window is None else (options.window, options.window)
+    return (-1, -1) if options.window is None else (options.window - 1, options.window - 1)
 
 
 def _flatten(tensor: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from ..adapters import families  # noqa: F401  (fills REGISTRY)
+    from ..adapters import encoders, families  # noqa: F401  (fill REGISTRY)
     from ..adapters.registry import REGISTRY, _looks_like_a_mixer
     from ..tiny import auto_class, load_config
 

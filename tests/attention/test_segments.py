@@ -25,7 +25,7 @@ def naive_attention(q, k, v, *, scale, causal, window, softcap, sinks) -> torch.
             keys = [
                 j for j in range(length)
                 if (j <= i if causal else True)
-                and (window is None or (i - window < j if causal else abs(i - j) <= window))
+                and (window is None or (i - window < j if causal else abs(i - j) < window))  # flash's convention
             ]
             logits = torch.stack([(q[h, i] * k[h // group, j]).sum() * scale for j in keys])
             if softcap is not None:

@@ -43,7 +43,7 @@ class FakeKernel:
         self.calls.append({"cu": cu_q.tolist(), "window": window, "softcap": softcap, "causal": causal})
         pieces = []
         for start, end in zip(cu_q.tolist(), cu_q.tolist()[1:]):
-            width = None if left < 0 else (left + 1 if causal else left)
+            width = None if left < 0 else left + 1  # flash's inclusive band -> transformers' window
             pieces.append(
                 naive_attention(
                     q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
@@ -111,7 +111,7 @@ def test_torch_varlen_gets_cu_seqlens_and_window(monkeypatch, on_cuda, causal: b
     assert interface.choose_backend(q, options, training=False) == "torch-varlen"
     out = interface.run_packed_attention(q, k, v, boundaries, options)
     assert kernel.calls[0]["cu"] == [0, 3, 4, 10, 12]
-    expected_left = -1 if window is None else (window - 1 if causal else window)
+    expected_left = -1 if window is None else window - 1  # flash's convention, causal and bidirectional
     assert kernel.calls[0]["window"] == (expected_left, 0 if causal else expected_left)
     assert_close(out, _expected(q, k, v, boundaries, options))
 
