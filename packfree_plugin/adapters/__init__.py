@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import apply_model_hook
+from .positions import wrap_positions
 from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
 __all__ = [
@@ -40,4 +41,5 @@ def apply(model: nn.Module) -> nn.Module:
     admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
     apply_model_hook(model, layer_hooks=bool(mixers))
+    wrap_positions(model)  # after the model hook: per-sample positions read the boundaries it pushes
     return model
