@@ -47,8 +47,8 @@ from ..boundaries import Boundaries
 from ..context import ForwardParameters, current
 from .generic import run_unpacked
 
-__all__ = ["DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS", "PositionAdapter",
-           "register_position_adapter", "wrap_positions"]
+__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
+           "DenseMaskAttention", "PositionAdapter", "register_position_adapter", "wrap_positions"]
 
 _EARLIER_FORWARD = "_packfree_earlier_position_forward"
 _DECODER_HOOK = "_packfree_decoder_inputs_hook"
@@ -295,9 +295,32 @@ def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tu
 
 
 # ------------------------------------------------------------------ attention that adds a dense mask itself
-DENSE_MASK_ATTENTION: frozenset[str] = frozenset({"XGLMAttention", "TrOCRAttention", "MvpAttention"})
-"""Eager-only attention layers of these families that add ``attention_mask`` to their scores themselves (they
-never call transformers' attention interface), so they cannot take packfree's boundaries as their mask."""
+@dataclass(frozen=True)
+class DenseMaskAttention:
+    """An attention layer that adds ``attention_mask`` to its scores itself. ``cross_input``: the name of its
+    cross-attention input (None: self-attention only). ``refused_when``: ``(attribute, value)`` under which the
+    layer attends outside the mask (a packed row then raises ``ValueError`` with ``reason``)."""
+
+    cross_input: str | None = None
+    refused_when: tuple[str, Any] | None = None
+    reason: str = ""
+
+
+DENSE_MASK_ATTENTION: dict[str, DenseMaskAttention] = {
+    "XGLMAttention": DenseMaskAttention("key_value_states"),
+    "TrOCRAttention": DenseMaskAttention("key_value_states"),
+    "MvpAttention": DenseMaskAttention("key_value_states"),
+    "BigBirdPegasusEncoderAttention": DenseMaskAttention(
+        refused_when=("attention_type", "block_sparse"),
+        reason="its block-sparse attention (BigBird-Pegasus' choice for rows longer than (5 + 2 * num_random_blocks) "
+               "* block_size tokens) attends random blocks anywhere in the row"),
+}
+"""Eager-only attention layers of these families (they never call transformers' attention interface), so they
+cannot take packfree's boundaries as their mask."""
+
+CAUSAL_SELF_ATTENTION: dict[str, str] = {"BigBirdPegasusDecoderLayer": "self_attn"}
+"""Decoder layers whose self-attention does not declare ``is_causal`` (stock relies on the causal mask, which
+packfree's boundaries replace): the attribute holding it, marked causal."""
 
 
 def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -313,12 +336,20 @@ def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dt
 def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     """Such a layer's forward with the mask it expects: packfree's boundaries (training, scoring, prefill) as the
     block-diagonal additive mask of their segments; transformers' boolean ``sdpa`` mask (decoding) as additive."""
+    entry = DENSE_MASK_ATTENTION[type(module).__name__]
     parameters = _parameters(module)
     arguments = parameters.bind(args, kwargs)
-    mask = arguments.get("attention_mask")
-    hidden, encoder = arguments["hidden_states"], arguments.get("key_value_states")
+    hidden = arguments["hidden_states"]
+    encoder = arguments.get(entry.cross_input) if entry.cross_input else None
+    mask_name = "encoder_attention_mask" if encoder is not None and "encoder_attention_mask" in parameters.names \
+        else "attention_mask"
+    mask = arguments.get(mask_name)
     enclosing = current()
-    if mask is None and enclosing is not None and enclosing.is_packed and enclosing.describes(*hidden.shape[:2]):
+    packed = enclosing is not None and enclosing.is_packed and enclosing.describes(*hidden.shape[:2])
+    if packed and entry.refused_when is not None and getattr(module, entry.refused_when[0]) == entry.refused_when[1]:
+        raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {entry.reason}. Pass one "
+                         "sample per row for this model, or shorter packed rows")
+    if mask is None and packed:
         # these models pass no mask where a lone sample needs none (an encoder without padding, cross-attention
         # without an encoder mask): on a packed row the boundaries are the mask
         if encoder is not None and encoder.shape[1] != hidden.shape[1]:
@@ -328,13 +359,12 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
                 "Pass one sample per row for this model"
             )
         mask = enclosing
-    dtype = hidden.dtype
     if isinstance(mask, Boundaries):
-        causal = bool(module.is_decoder) and encoder is None
-        arguments["attention_mask"] = dense_additive_mask(mask, causal=causal, dtype=dtype)
+        causal = bool(getattr(module, "is_decoder", False)) and encoder is None
+        arguments[mask_name] = dense_additive_mask(mask, causal=causal, dtype=hidden.dtype)
     elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        arguments["attention_mask"] = torch.zeros((), dtype=dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(dtype).min)
+        arguments[mask_name] = torch.zeros((), dtype=hidden.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(hidden.dtype).min)
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
     return _own_forward(module)(**arguments, **extra)
 
@@ -348,12 +378,15 @@ _FORWARDS: dict[str, Callable] = {
 
 def wrap_positions(model: nn.Module) -> list[str]:
     """Give every covered embedding module of ``model`` its per-sample numbering, every layer of
-    :data:`DENSE_MASK_ATTENTION` the mask it can read, and every model of :data:`SHIFTED_DECODER_INPUTS` its
+    :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
+    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, and every model of :data:`SHIFTED_DECODER_INPUTS` its
     per-sample decoder inputs (idempotent; call after
     :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
     wrapped = []
     for path, module in model.named_modules():
         name = type(module).__name__
+        if name in CAUSAL_SELF_ATTENTION:
+            module.get_submodule(CAUSAL_SELF_ATTENTION[name]).is_causal = True
         if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
             setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
                                                                             with_kwargs=True))

@@ -37,6 +37,7 @@ TARGETS = [
     ("blenderbot", "BlenderbotForCausalLM"), ("blenderbot-small", "BlenderbotSmallForCausalLM"),
     # ... with attention that adds a dense mask itself
     ("trocr", "TrOCRForCausalLM"), ("xglm", "XGLMForCausalLM"), ("mvp", "MvpForConditionalGeneration"),
+    ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration"), ("bigbird_pegasus", "BigBirdPegasusForCausalLM"),
     # token shift
     ("mobilebert", "MobileBertForMaskedLM"),
 ]
@@ -249,3 +250,13 @@ def test_a_packed_row_longer_than_the_position_table() -> None:
     with pytest.raises(IndexError):
         stock(**_packed(rows, "position_ids"))
     assert _max_diff_from_alone(model, stock, rows, "position_ids") < _tolerance(model, implementation)
+
+
+def test_bigbird_pegasus_refuses_block_sparse_attention_on_a_packed_row() -> None:
+    """Rows longer than (5 + 2 * num_random_blocks) * block_size tokens (44 in the tiny config) keep BigBird-Pegasus'
+    block-sparse encoder attention, which attends random blocks of the whole row: refused, naming the layer."""
+    model, _, _ = _pair("bigbird_pegasus", "BigBirdPegasusModel")
+    generator = torch.Generator().manual_seed(9)
+    rows = [[torch.randint(3, 100, (n,), generator=generator) for n in (30, 26)]]
+    with pytest.raises(ValueError, match="BigBirdPegasusEncoderAttention.*block-sparse"):
+        model(**_packed(rows, "position_ids"))
