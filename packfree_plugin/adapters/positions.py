@@ -29,6 +29,11 @@ Seq2seq models that make their decoder inputs by shifting ``input_ids`` right (B
 would shift a packed row as one sequence, so every sample but the first would start from the previous
 sample's last token. :data:`SHIFTED_DECODER_INPUTS` lists the models whose forward does that; on a packed row
 without ``decoder_input_ids`` packfree passes the model's own shift applied to each sample.
+
+The same families hold eager-only attention layers that add ``attention_mask`` to their scores themselves
+(XGLM, TrOCR, MVP, BigBird-Pegasus' encoder, :data:`DENSE_MASK_ATTENTION`): they cannot read packfree's
+boundaries as their mask, so they get the block-diagonal additive mask of the packed samples (O(T^2) per row,
+as stock's own), or, where the layer attends outside any mask (block-sparse attention), a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def _by_shape(module: nn.Module, forward: Callable, boundaries: Boundaries, argu
 
 def _per_sample(module: nn.Module, forward: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
     arguments.pop("position_ids", None)  # each sample numbered as the module numbers a lone sample
-    token_names = tuple(name for name, value in arguments.items() if _token_shape(value) is not None)
+    token_names = tuple(name for name, value in arguments.items() if isinstance(value, torch.Tensor) and value.ndim >= 2)
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
 
     def run(tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -191,13 +196,15 @@ register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings"
 
 # ---------------------------------------------------------------------------------------- the wrapper
 _PARAMETERS: dict[type, ForwardParameters] = {}
+"""Module class -> parameters of its own ``forward``."""
+_EARLIER_PARAMETERS = "_packfree_earlier_position_forward_parameters"
 
 
 def _parameters(module: nn.Module) -> ForwardParameters:
     """Parameters of the module's own forward (its class's, or one set on the instance before packfree)."""
-    earlier = module.__dict__.get(_EARLIER_FORWARD)
+    earlier = module.__dict__.get(_EARLIER_PARAMETERS)
     if earlier is not None:
-        return ForwardParameters.of(earlier)
+        return earlier
     parameters = _PARAMETERS.get(type(module))
     if parameters is None:
         parameters = _PARAMETERS[type(module)] = ForwardParameters.of(functools.partial(type(module).forward, module))
@@ -207,11 +214,6 @@ def _parameters(module: nn.Module) -> ForwardParameters:
 def _own_forward(module: nn.Module) -> Callable:
     earlier = module.__dict__.get(_EARLIER_FORWARD)
     return earlier if earlier is not None else functools.partial(type(module).forward, module)
-
-
-def _token_shape(value: Any) -> tuple[int, int] | None:
-    """``(B, T)`` of a per-token tensor argument (``[B, T, ...]``), else None."""
-    return tuple(value.shape[:2]) if isinstance(value, torch.Tensor) and value.ndim >= 2 else None
 
 
 def _row_length(arguments: dict[str, Any]) -> int | None:
@@ -238,8 +240,13 @@ def _position_forward(module: nn.Module, *args, **kwargs):
     if length != boundaries.seq_len and not (numbering in _NUMBERS_PADDED_ROWS and length > boundaries.seq_len):
         return forward(*args, **kwargs)  # not this forward's packed row (a nested model's own inputs)
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
-    rule = RULES[numbering]
-    return rule(module, functools.partial(forward, **extra), boundaries, arguments)
+    return _number(numbering, module, functools.partial(forward, **extra), boundaries, arguments)
+
+
+@torch.compiler.disable  # the numbering follows the packing: compiled, every new packing would recompile
+def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Boundaries,
+            arguments: dict[str, Any]) -> Any:
+    return RULES[numbering](module, forward, boundaries, arguments)
 
 
 # ------------------------------------------------------------------------------- seq2seq decoder inputs
@@ -268,13 +275,20 @@ def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tenso
     return shifted.view_as(input_ids)
 
 
+@functools.cache
+def _model_parameters(cls: type) -> ForwardParameters:
+    """Parameters of ``cls.forward``, ``self`` included."""
+    return ForwardParameters.of(cls.forward)
+
+
+@torch.compiler.disable  # reads the packing on the host: a graph break, not a recompile per packing
 def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """On a packed row without decoder inputs or labels, pass the per-sample shift of ``input_ids`` as
     ``decoder_input_ids`` (runs after packfree's model hook has pushed this forward's boundaries)."""
     boundaries = current()
     if boundaries is None or not boundaries.is_packed:
         return None
-    parameters = ForwardParameters.of(type(module).forward)
+    parameters = _model_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
     input_ids = arguments.get("input_ids")
     if (not isinstance(input_ids, torch.Tensor) or any(arguments.get(name) is not None for name in (
@@ -323,6 +337,7 @@ CAUSAL_SELF_ATTENTION: dict[str, str] = {"BigBirdPegasusDecoderLayer": "self_att
 packfree's boundaries replace): the attribute holding it, marked causal."""
 
 
+@torch.compiler.disable  # built from the host offsets of each packing
 def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dtype) -> torch.Tensor:
     """``[B, 1, T, T]`` additive mask of ``boundaries``: 0 where a query may attend (same segment; and not a later
     key when ``causal``), the dtype's minimum elsewhere, as transformers' eager masks. O(T^2) per row."""
@@ -397,6 +412,8 @@ def wrap_positions(model: nn.Module) -> list[str]:
         if not (isinstance(forward, functools.partial) and forward.func is replacement):
             if forward is not None:
                 module.__dict__[_EARLIER_FORWARD] = forward
+                module.__dict__[_EARLIER_PARAMETERS] = ForwardParameters.of(forward)
+            _parameters(module)  # read the forward's parameters now, outside any compiled region
             module.forward = functools.partial(replacement, module)
         wrapped.append(path)
     return wrapped
