@@ -25,10 +25,10 @@ holds boundaries with more than one sample in some row). With one sample per row
 called without ``position_ids``; their values are not fed to the embeddings. (Called with one sample per row,
 the model uses whatever ``position_ids`` it is given, as stock does.)
 
-Seq2seq models that make their decoder inputs by shifting ``input_ids`` right (BART's denoising default)
-would shift a packed row as one sequence, so every sample but the first would start from the previous
-sample's last token. :data:`SHIFTED_DECODER_INPUTS` lists the models whose forward does that; on a packed row
-without ``decoder_input_ids`` packfree passes the model's own shift applied to each sample.
+Seq2seq models that make their decoder inputs by shifting ``labels`` (or, BART's denoising default,
+``input_ids``) right would shift a packed row as one sequence, so every sample but the first would start from
+the previous sample's last token. :data:`SHIFTED_DECODER_INPUTS` lists the models whose forward does that; on a
+packed row without ``decoder_input_ids`` packfree passes the model's own shift applied to each sample.
 
 The same families hold eager-only attention layers that add ``attention_mask`` to their scores themselves
 (XGLM, TrOCR, MVP, BigBird-Pegasus' encoder, :data:`DENSE_MASK_ATTENTION`): they cannot read packfree's
@@ -250,11 +250,16 @@ def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Bo
 
 
 # ------------------------------------------------------------------------------- seq2seq decoder inputs
-SHIFTED_DECODER_INPUTS: frozenset[str] = frozenset({
-    "BartModel", "MBartModel", "PLBartModel", "MvpModel", "BigBirdPegasusModel",
-})
-"""Seq2seq base models whose forward makes the decoder inputs by shifting ``input_ids`` right (with their
-modeling module's ``shift_tokens_right``) when no decoder inputs are given."""
+SHIFTED_DECODER_INPUTS: dict[str, str] = {
+    **dict.fromkeys(("BartModel", "MBartModel", "PLBartModel", "MvpModel", "BigBirdPegasusModel"), "input_ids"),
+    **dict.fromkeys(("BartForConditionalGeneration", "MBartForConditionalGeneration", "PLBartForConditionalGeneration",
+                     "MvpForConditionalGeneration", "BigBirdPegasusForConditionalGeneration", "MarianMTModel",
+                     "PegasusForConditionalGeneration", "BlenderbotForConditionalGeneration",
+                     "BlenderbotSmallForConditionalGeneration"), "labels"),
+}
+"""Seq2seq models whose forward makes the decoder inputs by shifting an argument right (with their modeling
+module's ``shift_tokens_right``) when no decoder inputs are given: the base models shift ``input_ids`` (BART's
+denoising default), the generation heads their ``labels``."""
 
 
 def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tensor, boundaries: Boundaries,
@@ -283,23 +288,23 @@ def _model_parameters(cls: type) -> ForwardParameters:
 
 @torch.compiler.disable  # reads the packing on the host: a graph break, not a recompile per packing
 def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """On a packed row without decoder inputs or labels, pass the per-sample shift of ``input_ids`` as
-    ``decoder_input_ids`` (runs after packfree's model hook has pushed this forward's boundaries)."""
+    """On a packed row without decoder inputs, pass the per-sample shift of the argument the model would shift
+    (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (runs after packfree's model hook has pushed this
+    forward's boundaries)."""
     boundaries = current()
     if boundaries is None or not boundaries.is_packed:
         return None
     parameters = _model_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
-    input_ids = arguments.get("input_ids")
-    if (not isinstance(input_ids, torch.Tensor) or any(arguments.get(name) is not None for name in (
-            "decoder_input_ids", "decoder_inputs_embeds", "labels"))
-            or not boundaries.describes(*input_ids.shape[:2])):
+    source = arguments.get(SHIFTED_DECODER_INPUTS[type(module).__name__])
+    if (not isinstance(source, torch.Tensor) or source.ndim != 2 or not boundaries.describes(*source.shape)
+            or any(arguments.get(name) is not None for name in ("decoder_input_ids", "decoder_inputs_embeds"))):
         return None
     shift = sys.modules[type(module).__module__].shift_tokens_right
     config = module.config
     options = {name: getattr(config, name) for name in inspect.signature(shift).parameters
                if name == "decoder_start_token_id"}
-    decoder_input_ids = _shift_per_sample(shift, input_ids, boundaries, config.pad_token_id, **options)
+    decoder_input_ids = _shift_per_sample(shift, source, boundaries, config.pad_token_id, **options)
     index = parameters.names.index("decoder_input_ids") - 1  # without self
     if index < len(args):
         args = (*args[:index], decoder_input_ids, *args[index + 1:])

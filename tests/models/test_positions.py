@@ -260,3 +260,33 @@ def test_bigbird_pegasus_refuses_block_sparse_attention_on_a_packed_row() -> Non
     rows = [[torch.randint(3, 100, (n,), generator=generator) for n in (30, 26)]]
     with pytest.raises(ValueError, match="BigBirdPegasusEncoderAttention.*block-sparse"):
         model(**_packed(rows, "position_ids"))
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("bart", "BartForConditionalGeneration"), ("mbart", "MBartForConditionalGeneration"), ("mvp", "MvpForConditionalGeneration"),
+    ("pegasus", "PegasusForConditionalGeneration"), ("blenderbot", "BlenderbotForConditionalGeneration"),
+    ("blenderbot-small", "BlenderbotSmallForConditionalGeneration"),
+])
+def test_packed_seq2seq_with_labels_equals_each_sample_alone(model_type: str, class_name: str) -> None:
+    """Labels of the packed row's shape: each sample's decoder inputs are its own labels shifted (never the
+    previous sample's last label), so logits and loss equal each sample alone. The label contract puts -100
+    at every sample's first token."""
+    model, stock, implementation = _pair(model_type, class_name)
+    rows = _samples(model.config)
+    generator = torch.Generator().manual_seed(11)
+    labels = [[torch.randint(3, 100, (len(sample),), generator=generator) for sample in row] for row in rows]
+    for row in labels:
+        for sample in row:
+            sample[0] = -100
+    batch = {**_packed(rows, "position_ids"), "labels": torch.stack([torch.cat(row) for row in labels])}
+    with torch.no_grad():
+        packed = model(**batch)
+        alone = [stock(input_ids=sample[None], labels=label[None])
+                 for row, label_row in zip(rows, labels) for sample, label in zip(row, label_row)]
+    pieces = [piece for row in range(len(rows)) for piece in packed.logits[row].split([len(s) for s in rows[row]])]
+    tolerance = _tolerance(model, implementation)
+    for index, (piece, out) in enumerate(zip(pieces, alone)):
+        assert_close(piece, out.logits[0], atol=tolerance, rtol=0, what=f"{class_name} sample {index}")
+    counts = torch.tensor([float((label != -100).sum()) for row in labels for label in row])
+    expected = (torch.stack([out.loss for out in alone]) * counts).sum() / counts.sum()
+    assert_close(packed.loss, expected, atol=tolerance, rtol=0, what=f"{class_name} loss")
