@@ -290,3 +290,13 @@ def test_packed_seq2seq_with_labels_equals_each_sample_alone(model_type: str, cl
     counts = torch.tensor([float((label != -100).sum()) for row in labels for label in row])
     expected = (torch.stack([out.loss for out in alone]) * counts).sum() / counts.sum()
     assert_close(packed.loss, expected, atol=tolerance, rtol=0, what=f"{class_name} loss")
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("roberta", "RobertaForMaskedLM"), ("mobilebert", "MobileBertForMaskedLM"), ("xglm", "XGLMForCausalLM"),
+    ("bigbird_pegasus", "BigBirdPegasusForCausalLM"),
+])
+def test_the_gate_admits_them_at_load(model_type: str, class_name: str) -> None:
+    """Loaded with packfree and no opt-out, each class passes the gate's proof on a tiny copy (it was refused)."""
+    packfree_plugin.register()
+    getattr(transformers, class_name)._from_config(tiny_config_for(model_type), attn_implementation="packfree")
