@@ -389,11 +389,12 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     return _own_forward(module)(**arguments, **extra)
 
 
-_FORWARDS: dict[str, Callable] = {
-    **dict.fromkeys(POSITION_ADAPTERS, _position_forward),
-    **dict.fromkeys(DENSE_MASK_ATTENTION, _dense_mask_forward),
-}
-"""Class name -> the instance forward packfree gives it."""
+def _replacement(name: str) -> Callable | None:
+    """The instance forward packfree gives a module of class ``name`` (None: its own), read from the tables when
+    a model is prepared, so adapters registered later count."""
+    if name in POSITION_ADAPTERS:
+        return _position_forward
+    return _dense_mask_forward if name in DENSE_MASK_ATTENTION else None
 
 
 def wrap_positions(model: nn.Module) -> list[str]:
@@ -410,7 +411,7 @@ def wrap_positions(model: nn.Module) -> list[str]:
         if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
             setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
                                                                             with_kwargs=True))
-        replacement = _FORWARDS.get(name)
+        replacement = _replacement(name)
         if replacement is None:
             continue
         forward = module.__dict__.get("forward")
