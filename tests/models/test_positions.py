@@ -300,3 +300,46 @@ def test_the_gate_admits_them_at_load(model_type: str, class_name: str) -> None:
     """Loaded with packfree and no opt-out, each class passes the gate's proof on a tiny copy (it was refused)."""
     packfree_plugin.register()
     getattr(transformers, class_name)._from_config(tiny_config_for(model_type), attn_implementation="packfree")
+
+
+@pytest.mark.parametrize(("model_type", "class_name", "overrides"), [
+    ("trocr", "TrOCRForCausalLM", {"use_learned_position_embeddings": False}),  # positions count non-padding tokens
+    ("mvp", "MvpForConditionalGeneration", {"use_prompt": True}),  # prompt keys prepended to every attention
+], ids=["TrOCR-sinusoidal", "MVP-prompts"])
+def test_config_variants(model_type: str, class_name: str, overrides: dict) -> None:
+    config = tiny_config_for(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model, stock, implementation = _pair(model_type, class_name, config)
+    for mode in ("position_ids", "running_ids"):
+        assert _max_diff_from_alone(model, stock, _samples(config), mode) < _tolerance(model, implementation)
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("roberta", "RobertaForMaskedLM"), ("mobilebert", "MobileBertForMaskedLM"),
+    ("bart", "BartForConditionalGeneration"), ("mvp", "MvpForConditionalGeneration"),
+])
+def test_packed_gradients_equal_each_sample_alone(model_type: str, class_name: str) -> None:
+    """The packed row's loss and every parameter's gradient equal those of the samples run alone, each loss
+    weighted by its count of labelled tokens (the packed loss is the mean over all of them)."""
+    model, stock, implementation = _pair(model_type, class_name)
+    rows = _samples(model.config)
+    generator = torch.Generator().manual_seed(13)
+    labels = [[torch.randint(3, 100, (len(sample),), generator=generator) for sample in row] for row in rows]
+    for row in labels:
+        for sample in row:
+            sample[0] = -100  # the label contract of a packed row
+    batch = {**_packed(rows, "cu_seq_lens"), "labels": torch.stack([torch.cat(row) for row in labels])}
+    packed_loss = model(**batch).loss
+    packed_loss.backward()
+    pairs = [(sample, label) for row, label_row in zip(rows, labels) for sample, label in zip(row, label_row)]
+    counts = torch.tensor([float((label != -100).sum()) for _, label in pairs])
+    losses = torch.stack([stock(input_ids=sample[None], labels=label[None]).loss for sample, label in pairs])
+    alone_loss = (losses * counts).sum() / counts.sum()
+    alone_loss.backward()
+    tolerance = _tolerance(model, implementation)
+    assert_close(packed_loss.detach(), alone_loss.detach(), atol=tolerance, rtol=0, what=f"{class_name} loss")
+    expected = dict(stock.named_parameters())
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None or expected[name].grad is not None:
+            assert_close(parameter.grad, expected[name].grad, atol=tolerance, rtol=0, what=f"{class_name} {name}")
