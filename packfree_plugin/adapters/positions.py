@@ -154,7 +154,8 @@ def _by_shape(module: nn.Module, forward: Callable, boundaries: Boundaries, argu
 
 def _per_sample(module: nn.Module, forward: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
     arguments.pop("position_ids", None)  # each sample numbered as the module numbers a lone sample
-    token_names = tuple(name for name, value in arguments.items() if isinstance(value, torch.Tensor) and value.ndim >= 2)
+    token_names = tuple(name for name, value in arguments.items()
+                        if isinstance(value, torch.Tensor) and value.ndim >= 2)
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
 
     def run(tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
