@@ -80,9 +80,18 @@ def _samples(config, *, seed: int = 0) -> list[list[torch.Tensor]]:
     return rows
 
 
-def _packed(rows: list[list[torch.Tensor]], mode: str) -> dict[str, torch.Tensor]:
+def _packed(rows: list[list[torch.Tensor]], mode: str, *,
+            padding: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Packed rows: boundaries from restarting ``position_ids``, from ``cu_seq_lens`` alone, or from ``cu_seq_lens``
-    next to ``position_ids`` that run on across the row (``running_ids``: the boundaries win)."""
+    next to ``position_ids`` that run on across the row (``running_ids``: the boundaries win). ``padding``:
+    ``(length, pad id)`` of a padding span ending every row, marked by an ``attention_mask``
+    (``position_ids`` mode)."""
+    if padding is not None:
+        length, pad_id = padding
+        batch = _packed([[*row, torch.full((length,), pad_id)] for row in rows], mode)
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][:, -length:] = 0
+        return batch
     batch = {"input_ids": torch.stack([torch.cat(row) for row in rows])}
     lengths = [len(sample) for row in rows for sample in row]
     if mode == "position_ids":
@@ -102,9 +111,10 @@ def _tolerance(model: torch.nn.Module, implementation: str) -> float:
     return 1e-9 if implementation == "sdpa" else 1e-6  # stock eager softmaxes in float32
 
 
-def _max_diff_from_alone(model: torch.nn.Module, stock: torch.nn.Module, rows, mode: str) -> float:
+def _max_diff_from_alone(model: torch.nn.Module, stock: torch.nn.Module, rows, mode: str, *,
+                         padding: tuple[int, int] | None = None) -> float:
     with torch.no_grad():
-        packed = main_output(model(**_packed(rows, mode)))
+        packed = main_output(model(**_packed(rows, mode, padding=padding)))
         worst = 0.0
         for row, samples in enumerate(rows):
             start = 0
@@ -143,6 +153,19 @@ def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> N
         if hook is not None:
             hook.remove()
     assert _max_diff_from_alone(model, stock, rows, "running_ids") > 1e-3
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("roberta", "RobertaForMaskedLM"), ("bart", "BartForConditionalGeneration"),
+    ("mobilebert", "MobileBertForMaskedLM"), ("xglm", "XGLMForCausalLM"), ("mvp", "MvpForConditionalGeneration"),
+])
+def test_packed_rows_ending_in_padding(model_type: str, class_name: str) -> None:
+    """Packed rows padded to a common length (pad tokens, attention_mask 0): every sample still equals itself
+    alone."""
+    model, stock, implementation = _pair(model_type, class_name)
+    diff = _max_diff_from_alone(model, stock, _samples(model.config), "position_ids",
+                                padding=(4, model.config.pad_token_id))
+    assert diff < _tolerance(model, implementation)
 
 
 UNPACKED = [("roberta", "RobertaForMaskedLM"), ("mra", "MraModel"), ("bart", "BartForCausalLM"),
@@ -266,7 +289,8 @@ def test_bigbird_pegasus_refuses_block_sparse_attention_on_a_packed_row() -> Non
 
 @pytest.mark.parametrize(("model_type", "class_name"), [
     ("bart", "BartForConditionalGeneration"), ("mbart", "MBartForConditionalGeneration"),
-    ("mvp", "MvpForConditionalGeneration"), ("pegasus", "PegasusForConditionalGeneration"), ("blenderbot", "BlenderbotForConditionalGeneration"),
+    ("mvp", "MvpForConditionalGeneration"), ("pegasus", "PegasusForConditionalGeneration"),
+    ("blenderbot", "BlenderbotForConditionalGeneration"),
     ("blenderbot-small", "BlenderbotSmallForConditionalGeneration"),
 ])
 def test_packed_seq2seq_with_labels_equals_each_sample_alone(model_type: str, class_name: str) -> None:
