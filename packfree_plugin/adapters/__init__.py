@@ -6,6 +6,7 @@ from torch import nn
 
 from ..context import apply_model_hook
 from .heads import wrap_heads
+from .positions import wrap_positions
 from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
 __all__ = [
@@ -42,4 +43,5 @@ def apply(model: nn.Module) -> nn.Module:
     mixers = wrap_mixers(model)
     wrap_heads(model)
     apply_model_hook(model, layer_hooks=bool(mixers))
+    wrap_positions(model)  # after the model hook: per-sample positions read the boundaries it pushes
     return model

@@ -69,7 +69,8 @@ def test_a_verified_class_with_an_unproved_switch_is_proved(proofs) -> None:
     (AutoModelForCausalLM, "bloom", ("'bloom'", "Boundaries")),  # an internal error on a packed row (ALiBi)
     (AutoModelForCausalLM, "llama4_text", ("'llama4_text'", "self_attn")),  # chunked attention dropped
 ])
-def test_a_type_the_sweep_found_wrong_is_refused_at_load(auto, model_type: str, names: tuple[str, ...]) -> None:
+def test_a_type_the_sweep_found_wrong_is_refused_at_load(auto, model_type: str, names: tuple[str, ...],
+                                                         roberta_without_positions) -> None:
     with pytest.raises(ValueError, match="packfree refuses") as refused:
         auto.from_config(tiny_config_for(model_type), attn_implementation="packfree")
     for name in names:
@@ -97,7 +98,8 @@ def test_an_unverified_leaking_class_is_refused_naming_the_module() -> None:
     assert "mlp" in str(refused.value)
 
 
-def test_the_opt_out_loads_a_refused_type_with_a_warning(monkeypatch, caplog, proofs) -> None:
+def test_the_opt_out_loads_a_refused_type_with_a_warning(monkeypatch, caplog, proofs,
+                                                         roberta_without_positions) -> None:
     monkeypatch.setenv(TRUST_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="packfree"):
         model = AutoModelForMaskedLM.from_config(tiny_config_for("roberta"), attn_implementation="packfree")
@@ -109,7 +111,7 @@ def test_the_opt_out_loads_a_refused_type_with_a_warning(monkeypatch, caplog, pr
         admit(model)
 
 
-def test_apply_on_a_model_loaded_with_sdpa_goes_through_the_gate() -> None:
+def test_apply_on_a_model_loaded_with_sdpa_goes_through_the_gate(roberta_without_positions) -> None:
     stock = AutoModelForMaskedLM.from_config(tiny_config_for("roberta"), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="packfree refuses"):
         packfree_plugin.apply(stock)

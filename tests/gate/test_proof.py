@@ -41,7 +41,7 @@ def test_an_exact_model_is_proved_exact_and_matches_a_hand_comparison() -> None:
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
 
 
-def test_wrong_positions_are_caught_although_no_sample_leaks() -> None:
+def test_wrong_positions_are_caught_although_no_sample_leaks(roberta_without_positions) -> None:
     """RoBERTa numbers positions from padding_idx + 1: packed 0-based position_ids shift them. The perturbation
     audit sees no leak (nothing crosses samples); the alone comparison fails and names the position embedding."""
     model, stock, implementation = _pair("RobertaForMaskedLM", "roberta")

@@ -6,7 +6,7 @@ from packfree_plugin.tools.cli import main
 from packfree_plugin.verify import verify
 
 
-def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys) -> None:
+def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys, roberta_without_positions) -> None:
     """RoBERTa's shifted positions move no sample into another: the leak audit passes, the alone check fails."""
     mine, _ = verify("roberta", reference="")
     assert not mine.leaks and mine.alone is not None and not mine.alone.exact and not mine.ok

@@ -1,0 +1,426 @@
+"""Per-segment positions: every packed sample is numbered the way the model numbers that sample alone.
+
+Most models read their positions from ``position_ids``, which packfree's boundaries restart in every sample.
+Some compute positions themselves, and on a packed row they would number the whole row as one sequence. A
+small registry of *position adapters*, keyed by the class of the embedding module, makes each such module
+number every sample on its own while a packed row is in flight (:func:`packfree_plugin.context.current`
+holds boundaries with more than one sample in some row). With one sample per row (unpacked, padded,
+``generate()``, decoding) the module's own forward runs untouched. The numbering rules:
+
+- ``after_padding_idx``: fairseq-style embeddings (RoBERTa and its copies): a sample's tokens are numbered
+  ``padding_idx + 1, padding_idx + 2, ...`` (padding tokens get ``padding_idx``), as
+  ``create_position_ids_from_input_ids`` numbers a lone sample. Packed 0-based ``position_ids`` would shift
+  every position by ``-(padding_idx + 1)``, and without them positions would run on across samples.
+- ``position_buffer``: embeddings that number a lone sample from their ``position_ids`` buffer (MRA's starts
+  at 2): token ``t`` of a sample gets ``buffer[t]``.
+- ``by_shape``: positional embeddings computed from the input's shape alone (BART-style learned tables with an
+  offset, sinusoidal tables): the module runs once for the longest sample's shape, and every token takes the
+  row of its position inside its sample. Rows longer than the table are fine as long as each sample fits.
+- ``per_sample``: embeddings that mix neighbouring tokens (MobileBERT's trigram input concatenates the previous
+  and next tokens' embeddings; TrOCR's sinusoidal positions count non-padding tokens): the module runs on each
+  group of equal-length samples, so no sample sees another's tokens.
+
+**What packed ``position_ids`` mean for these models:** they mark where samples start (the boundary rule of
+:mod:`packfree_plugin.boundaries`), and each sample is then numbered the way the model numbers a lone sample
+called without ``position_ids``; their values are not fed to the embeddings. (Called with one sample per row,
+the model uses whatever ``position_ids`` it is given, as stock does.)
+
+Seq2seq models that make their decoder inputs by shifting ``labels`` (or, BART's denoising default,
+``input_ids``) right would shift a packed row as one sequence, so every sample but the first would start from
+the previous sample's last token. :data:`SHIFTED_DECODER_INPUTS` lists the models whose forward does that; on a
+packed row without ``decoder_input_ids`` packfree passes the model's own shift applied to each sample.
+
+The same families hold eager-only attention layers that add ``attention_mask`` to their scores themselves
+(XGLM, TrOCR, MVP, BigBird-Pegasus' encoder, :data:`DENSE_MASK_ATTENTION`): they cannot read packfree's
+boundaries as their mask, so they get the block-diagonal additive mask of the packed samples (O(T^2) per row,
+as stock's own), or, where the layer attends outside any mask (block-sparse attention), a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..boundaries import Boundaries
+from ..context import ForwardParameters, current
+from .generic import run_unpacked
+
+__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
+           "DenseMaskAttention", "PositionAdapter", "register_position_adapter", "wrap_positions"]
+
+_EARLIER_FORWARD = "_packfree_earlier_position_forward"
+_DECODER_HOOK = "_packfree_decoder_inputs_hook"
+
+Rule = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
+"""``(module, own_forward, boundaries, bound_arguments) -> output`` for a packed row."""
+
+
+@dataclass(frozen=True)
+class PositionAdapter:
+    """How one family of embedding modules numbers each packed sample on its own.
+
+    ``class_names``: the transformers embedding classes covered. ``numbering``: one of :data:`RULES`
+    (``after_padding_idx``, ``position_buffer``, ``by_shape``, ``per_sample``; see the module docstring).
+    """
+
+    family: str
+    class_names: tuple[str, ...]
+    numbering: str
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.numbering not in RULES:
+            raise ValueError(f"numbering must be one of {sorted(RULES)}, not {self.numbering!r}")
+
+
+POSITION_ADAPTERS: dict[str, PositionAdapter] = {}
+"""Embedding class name -> its position adapter."""
+
+
+def register_position_adapter(adapter: PositionAdapter) -> PositionAdapter:
+    for name in adapter.class_names:
+        if name in POSITION_ADAPTERS and POSITION_ADAPTERS[name] != adapter:
+            raise ValueError(f"{name} already has a position adapter ({POSITION_ADAPTERS[name].family})")
+        POSITION_ADAPTERS[name] = adapter
+    return adapter
+
+
+# ------------------------------------------------------------------------------------ numbering rules
+def _count_in_sample(flags: torch.Tensor, boundaries: Boundaries) -> torch.Tensor:
+    """``flags [B, T']`` bool -> ``[B, T']`` int64: how many flagged tokens the token's sample holds up to and
+    including it (a cumulative sum that restarts at every segment). ``T' > T``: columns past the boundaries' row
+    (padding the model appended) count on in the row's last segment."""
+    batch, length = flags.shape
+    local = boundaries.position_ids.to(flags.device)
+    start = torch.arange(boundaries.seq_len, device=flags.device) - local  # column where each token's segment starts
+    if length > boundaries.seq_len:
+        start = torch.cat([start, start[:, -1:].expand(batch, length - boundaries.seq_len)], dim=1)
+    running = flags.long().cumsum(1)
+    before = torch.cat([running.new_zeros(batch, 1), running], dim=1).gather(1, start)  # flagged before the segment
+    return running - before
+
+
+def _after_padding_idx(module: nn.Module, forward: Callable, boundaries: Boundaries,
+                       arguments: dict[str, Any]) -> Any:
+    input_ids = arguments.get("input_ids")
+    if input_ids is not None:
+        counted = input_ids != module.padding_idx
+    else:
+        counted = torch.ones(arguments["inputs_embeds"].shape[:2], dtype=torch.bool,
+                             device=arguments["inputs_embeds"].device)
+    arguments["position_ids"] = module.padding_idx + _count_in_sample(counted, boundaries) * counted
+    return forward(**arguments)
+
+
+def _position_buffer(module: nn.Module, forward: Callable, boundaries: Boundaries,
+                     arguments: dict[str, Any]) -> Any:
+    arguments["position_ids"] = module.position_ids[0][boundaries.position_ids.to(module.position_ids.device)]
+    return forward(**arguments)
+
+
+def _shrink(name: str, value: Any, boundaries: Boundaries, length: int) -> Any:
+    """A per-token argument (``[B, T, ...]`` or ``[1, T, ...]`` tensor, ``[T]`` positions, a ``(B, T)`` shape)
+    cut to one row of ``length`` tokens, ``position_ids`` made ``0 .. length-1`` (what the model passes for a
+    lone sample; a packed row may carry the caller's ids); anything else unchanged."""
+    seq_len = boundaries.seq_len
+    if isinstance(value, torch.Tensor):
+        if value.ndim >= 2 and value.shape[1] == seq_len and value.shape[0] in (1, boundaries.batch_size):
+            value = value[:1, :length]
+        elif value.ndim == 1 and value.shape[0] == seq_len:
+            value = value[:length]
+        else:
+            return value
+        if name == "position_ids":
+            value = torch.arange(length, device=value.device).view(value.shape)
+        return value
+    elif isinstance(value, tuple) and len(value) >= 2 and tuple(value[:2]) == (boundaries.batch_size, seq_len):
+        return type(value)((1, length, *value[2:]))
+    return value
+
+
+def _by_shape(module: nn.Module, forward: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
+    longest = boundaries.max_seqlen
+    table = forward(**{name: _shrink(name, value, boundaries, longest) for name, value in arguments.items()})
+    table = table.reshape(longest, table.shape[-1])  # positions 0 .. longest-1 of one sample
+    return table[boundaries.position_ids.to(table.device)]  # [B, T, D]
+
+
+def _per_sample(module: nn.Module, forward: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
+    arguments.pop("position_ids", None)  # each sample numbered as the module numbers a lone sample
+    token_names = tuple(name for name, value in arguments.items()
+                        if isinstance(value, torch.Tensor) and value.ndim >= 2)
+    fixed = {name: value for name, value in arguments.items() if name not in token_names}
+
+    def run(tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return forward(**fixed, **dict(zip(token_names, tokens)))
+
+    # max_waste=0: every group holds samples of one length, so no sample is padded and none sees padding
+    return run_unpacked(run, tuple(arguments[name] for name in token_names), boundaries, max_waste=0.0)
+
+
+RULES: dict[str, Rule] = {
+    "after_padding_idx": _after_padding_idx,
+    "position_buffer": _position_buffer,
+    "by_shape": _by_shape,
+    "per_sample": _per_sample,
+}
+
+_NUMBERS_PADDED_ROWS = frozenset({"after_padding_idx"})
+"""Rules that also number a row the model padded at its end before embedding it (Longformer pads to a multiple
+of its attention window): the appended padding tokens get ``padding_idx``, as stock numbers them."""
+
+# ------------------------------------------------------------------------------------------ entries
+register_position_adapter(PositionAdapter("fairseq_positions", (
+    "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings", "Data2VecTextEmbeddings",
+    "RobertaPreLayerNormEmbeddings", "XLMRobertaXLEmbeddings", "XmodEmbeddings", "IBertEmbeddings",
+    "LukeEmbeddings", "MPNetEmbeddings", "LongformerEmbeddings",
+), "after_padding_idx", notes="create_position_ids_from_input_ids: positions from padding_idx + 1"))
+register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings",), "position_buffer",
+                                          notes="MRA numbers from its position_ids buffer, which starts at 2"))
+register_position_adapter(PositionAdapter("shape_positions", (
+    "BartLearnedPositionalEmbedding", "MBartLearnedPositionalEmbedding", "PLBartLearnedPositionalEmbedding",
+    "MvpLearnedPositionalEmbedding", "TrOCRLearnedPositionalEmbedding", "BigBirdPegasusLearnedPositionalEmbedding",
+    "BlenderbotLearnedPositionalEmbedding", "BlenderbotSmallLearnedPositionalEmbedding",
+    "MarianSinusoidalPositionalEmbedding", "PegasusSinusoidalPositionalEmbedding", "XGLMSinusoidalPositionalEmbedding",
+), "by_shape", notes="learned (BART-style, offset 2) and sinusoidal tables indexed by the position in the input"))
+register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings", "TrOCRSinusoidalPositionalEmbedding"),
+                                          "per_sample",
+                                          notes="MobileBERT's trigram input mixes each token with its neighbours; "
+                                                "TrOCR's sinusoidal positions count the non-padding tokens"))
+
+# ---------------------------------------------------------------------------------------- the wrapper
+_PARAMETERS: dict[type, ForwardParameters] = {}
+"""Module class -> parameters of its own ``forward``."""
+_EARLIER_PARAMETERS = "_packfree_earlier_position_forward_parameters"
+
+
+def _parameters(module: nn.Module) -> ForwardParameters:
+    """Parameters of the module's own forward (its class's, or one set on the instance before packfree)."""
+    earlier = module.__dict__.get(_EARLIER_PARAMETERS)
+    if earlier is not None:
+        return earlier
+    parameters = _PARAMETERS.get(type(module))
+    if parameters is None:
+        parameters = _PARAMETERS[type(module)] = ForwardParameters.of(functools.partial(type(module).forward, module))
+    return parameters
+
+
+def _own_forward(module: nn.Module) -> Callable:
+    earlier = module.__dict__.get(_EARLIER_FORWARD)
+    return earlier if earlier is not None else functools.partial(type(module).forward, module)
+
+
+def _row_length(arguments: dict[str, Any]) -> int | None:
+    """``T`` of the module's input: its first ``[B, T, ...]`` tensor, ``(B, T)`` shape or ``[T]`` positions."""
+    for value in arguments.values():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            return int(value.shape[1] if value.ndim >= 2 else value.shape[0])
+        if isinstance(value, tuple) and len(value) >= 2 and all(isinstance(v, int) for v in value[:2]):
+            return int(value[1])
+    return None
+
+
+def _position_forward(module: nn.Module, *args, **kwargs):
+    """The forward every covered embedding module gets, as ``functools.partial(_position_forward, module)``
+    in its ``__dict__`` (picklable; a deep copy binds to the copy)."""
+    forward = _own_forward(module)
+    boundaries = current()
+    if boundaries is None or not boundaries.is_packed:
+        return forward(*args, **kwargs)  # one sample per row: the module numbers it as stock does
+    parameters = _parameters(module)
+    arguments = parameters.bind(args, kwargs)
+    numbering = POSITION_ADAPTERS[type(module).__name__].numbering
+    length = _row_length(arguments)
+    if length != boundaries.seq_len and not (numbering in _NUMBERS_PADDED_ROWS and length > boundaries.seq_len):
+        return forward(*args, **kwargs)  # not this forward's packed row (a nested model's own inputs)
+    extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
+    return _number(numbering, module, functools.partial(forward, **extra), boundaries, arguments)
+
+
+@torch.compiler.disable  # the numbering follows the packing: compiled, every new packing would recompile
+def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Boundaries,
+            arguments: dict[str, Any]) -> Any:
+    return RULES[numbering](module, forward, boundaries, arguments)
+
+
+# ------------------------------------------------------------------------------- seq2seq decoder inputs
+SHIFTED_DECODER_INPUTS: dict[str, str] = {
+    **dict.fromkeys(("BartModel", "MBartModel", "PLBartModel", "MvpModel", "BigBirdPegasusModel"), "input_ids"),
+    **dict.fromkeys(("BartForConditionalGeneration", "MBartForConditionalGeneration", "PLBartForConditionalGeneration",
+                     "MvpForConditionalGeneration", "BigBirdPegasusForConditionalGeneration", "MarianMTModel",
+                     "PegasusForConditionalGeneration", "BlenderbotForConditionalGeneration",
+                     "BlenderbotSmallForConditionalGeneration"), "labels"),
+}
+"""Seq2seq models whose forward makes the decoder inputs by shifting an argument right (with their modeling
+module's ``shift_tokens_right``) when no decoder inputs are given: the base models shift ``input_ids`` (BART's
+denoising default), the generation heads their ``labels``."""
+
+
+def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tensor, boundaries: Boundaries,
+                      pad_token_id: int, **options: Any) -> torch.Tensor:
+    """``input_ids [B, T]`` -> ``[B, T]``: ``shift`` applied to each sample on its own. The packed row's shift is
+    right everywhere but at each sample's first token, which gets column 0 of ``shift`` run on the samples
+    right-padded with ``pad_token_id`` (what ``shift`` ignores when it looks for a sample's last token)."""
+    shifted = shift(input_ids, pad_token_id=pad_token_id, **options).reshape(-1).clone()
+    samples = [(start, length) for start, length, pad in
+               zip(boundaries.offsets, boundaries.lengths, boundaries.padding) if not pad]
+    total = boundaries.batch_size * boundaries.seq_len
+    index = torch.full((len(samples), max(length for _, length in samples)), total, dtype=torch.long)
+    for row, (start, length) in enumerate(samples):
+        index[row, :length] = torch.arange(start, start + length)
+    flat = torch.cat([input_ids.reshape(-1), input_ids.new_full((1,), pad_token_id)])
+    firsts = shift(flat[index.to(flat.device)], pad_token_id=pad_token_id, **options)[:, 0]
+    shifted[torch.tensor([start for start, _ in samples], device=shifted.device)] = firsts
+    return shifted.view_as(input_ids)
+
+
+@functools.cache
+def _model_parameters(cls: type) -> ForwardParameters:
+    """Parameters of ``cls.forward``, ``self`` included."""
+    return ForwardParameters.of(cls.forward)
+
+
+@torch.compiler.disable  # reads the packing on the host: a graph break, not a recompile per packing
+def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """On a packed row without decoder inputs, pass the per-sample shift of the argument the model would shift
+    (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (runs after packfree's model hook has pushed this
+    forward's boundaries)."""
+    boundaries = current()
+    if boundaries is None or not boundaries.is_packed:
+        return None
+    parameters = _model_parameters(type(module))
+    arguments = parameters.bind((module, *args), kwargs)
+    source = arguments.get(SHIFTED_DECODER_INPUTS[type(module).__name__])
+    if (not isinstance(source, torch.Tensor) or source.ndim != 2 or not boundaries.describes(*source.shape)
+            or any(arguments.get(name) is not None for name in ("decoder_input_ids", "decoder_inputs_embeds"))):
+        return None
+    shift = sys.modules[type(module).__module__].shift_tokens_right
+    config = module.config
+    options = {name: getattr(config, name) for name in inspect.signature(shift).parameters
+               if name == "decoder_start_token_id"}
+    decoder_input_ids = _shift_per_sample(shift, source, boundaries, config.pad_token_id, **options)
+    index = parameters.names.index("decoder_input_ids") - 1  # without self
+    if index < len(args):
+        args = (*args[:index], decoder_input_ids, *args[index + 1:])
+    else:
+        kwargs = {**kwargs, "decoder_input_ids": decoder_input_ids}
+    return args, kwargs
+
+
+# ------------------------------------------------------------------ attention that adds a dense mask itself
+@dataclass(frozen=True)
+class DenseMaskAttention:
+    """An attention layer that adds ``attention_mask`` to its scores itself. ``cross_input``: the name of its
+    cross-attention input (None: self-attention only). ``refused_when``: ``(attribute, value)`` under which the
+    layer attends outside the mask (a packed row then raises ``ValueError`` with ``reason``)."""
+
+    cross_input: str | None = None
+    refused_when: tuple[str, Any] | None = None
+    reason: str = ""
+
+
+DENSE_MASK_ATTENTION: dict[str, DenseMaskAttention] = {
+    "XGLMAttention": DenseMaskAttention("key_value_states"),
+    "TrOCRAttention": DenseMaskAttention("key_value_states"),
+    "MvpAttention": DenseMaskAttention("key_value_states"),
+    "BigBirdPegasusEncoderAttention": DenseMaskAttention(
+        refused_when=("attention_type", "block_sparse"),
+        reason="its block-sparse attention (BigBird-Pegasus' choice for rows longer than (5 + 2 * num_random_blocks) "
+               "* block_size tokens) attends random blocks anywhere in the row"),
+}
+"""Eager-only attention layers of these families (they never call transformers' attention interface), so they
+cannot take packfree's boundaries as their mask."""
+
+CAUSAL_SELF_ATTENTION: dict[str, str] = {"BigBirdPegasusDecoderLayer": "self_attn"}
+"""Decoder layers whose self-attention does not declare ``is_causal`` (stock relies on the causal mask, which
+packfree's boundaries replace): the attribute holding it, marked causal."""
+
+
+@torch.compiler.disable  # built from the host offsets of each packing
+def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, T, T]`` additive mask of ``boundaries``: 0 where a query may attend (same segment; and not a later
+    key when ``causal``), the dtype's minimum elsewhere, as transformers' eager masks. O(T^2) per row."""
+    segment = boundaries.seq_idx
+    allowed = segment[:, :, None] == segment[:, None, :]
+    if causal:
+        allowed = allowed & torch.ones_like(allowed[0], dtype=torch.bool).tril()
+    return torch.zeros((), dtype=dtype, device=segment.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def _dense_mask_forward(module: nn.Module, *args, **kwargs):
+    """Such a layer's forward with the mask it expects: packfree's boundaries (training, scoring, prefill) as the
+    block-diagonal additive mask of their segments; transformers' boolean ``sdpa`` mask (decoding) as additive."""
+    entry = DENSE_MASK_ATTENTION[type(module).__name__]
+    parameters = _parameters(module)
+    arguments = parameters.bind(args, kwargs)
+    hidden = arguments["hidden_states"]
+    encoder = arguments.get(entry.cross_input) if entry.cross_input else None
+    mask_name = "encoder_attention_mask" if encoder is not None and "encoder_attention_mask" in parameters.names \
+        else "attention_mask"
+    mask = arguments.get(mask_name)
+    enclosing = current()
+    packed = enclosing is not None and enclosing.is_packed and enclosing.describes(*hidden.shape[:2])
+    if packed and entry.refused_when is not None and getattr(module, entry.refused_when[0]) == entry.refused_when[1]:
+        raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {entry.reason}. Pass one "
+                         "sample per row for this model, or shorter packed rows")
+    if mask is None and packed:
+        # these models pass no mask where a lone sample needs none (an encoder without padding, cross-attention
+        # without an encoder mask): on a packed row the boundaries are the mask
+        if encoder is not None and encoder.shape[1] != hidden.shape[1]:
+            raise ValueError(
+                f"{type(module).__name__}: cross-attention from a packed row of {hidden.shape[1]} tokens to encoder "
+                f"states of {encoder.shape[1]}; packfree cannot tell which encoder sample each decoder sample reads. "
+                "Pass one sample per row for this model"
+            )
+        mask = enclosing
+    if isinstance(mask, Boundaries):
+        causal = bool(getattr(module, "is_decoder", False)) and encoder is None
+        arguments[mask_name] = dense_additive_mask(mask, causal=causal, dtype=hidden.dtype)
+    elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        arguments[mask_name] = torch.zeros((), dtype=hidden.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(hidden.dtype).min)
+    extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
+    return _own_forward(module)(**arguments, **extra)
+
+
+def _replacement(name: str) -> Callable | None:
+    """The instance forward packfree gives a module of class ``name`` (None: its own), read from the tables when
+    a model is prepared, so adapters registered later count."""
+    if name in POSITION_ADAPTERS:
+        return _position_forward
+    return _dense_mask_forward if name in DENSE_MASK_ATTENTION else None
+
+
+def wrap_positions(model: nn.Module) -> list[str]:
+    """Give every covered embedding module of ``model`` its per-sample numbering, every layer of
+    :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
+    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, and every model of :data:`SHIFTED_DECODER_INPUTS` its
+    per-sample decoder inputs (idempotent; call after
+    :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
+    wrapped = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if name in CAUSAL_SELF_ATTENTION:
+            module.get_submodule(CAUSAL_SELF_ATTENTION[name]).is_causal = True
+        if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
+            setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
+                                                                            with_kwargs=True))
+        replacement = _replacement(name)
+        if replacement is None:
+            continue
+        forward = module.__dict__.get("forward")
+        if not (isinstance(forward, functools.partial) and forward.func is replacement):
+            if forward is not None:
+                module.__dict__[_EARLIER_FORWARD] = forward
+                module.__dict__[_EARLIER_PARAMETERS] = ForwardParameters.of(forward)
+            _parameters(module)  # read the forward's parameters now, outside any compiled region
+            module.forward = functools.partial(replacement, module)
+        wrapped.append(path)
+    return wrapped
