@@ -182,8 +182,10 @@ register_position_adapter(PositionAdapter("fairseq_positions", (
     "RobertaPreLayerNormEmbeddings", "XLMRobertaXLEmbeddings", "XmodEmbeddings", "IBertEmbeddings",
     "LukeEmbeddings", "MPNetEmbeddings", "LongformerEmbeddings",
 ), "after_padding_idx", notes="create_position_ids_from_input_ids: positions from padding_idx + 1"))
-register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings",), "position_buffer",
-                                          notes="MRA numbers from its position_ids buffer, which starts at 2"))
+register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings", "NystromformerEmbeddings",
+                                                               "YosoEmbeddings"), "position_buffer",
+                                          notes="MRA, Nystromformer and YOSO number from their position_ids buffer, "
+                                                "which starts at 2"))
 register_position_adapter(PositionAdapter("shape_positions", (
     "BartLearnedPositionalEmbedding", "MBartLearnedPositionalEmbedding", "PLBartLearnedPositionalEmbedding",
     "MvpLearnedPositionalEmbedding", "TrOCRLearnedPositionalEmbedding", "BigBirdPegasusLearnedPositionalEmbedding",

@@ -29,8 +29,10 @@ TARGETS = [
     ("camembert", "CamembertForMaskedLM"), ("data2vec-text", "Data2VecTextForCausalLM"),
     ("roberta-prelayernorm", "RobertaPreLayerNormForMaskedLM"), ("xlm-roberta-xl", "XLMRobertaXLModel"),
     ("xmod", "XmodForMaskedLM"), ("roberta", "RobertaForTokenClassification"),
+    # ... whose encoders run per sample under their own attention code (adapters/encoders.py)
+    ("ibert", "IBertForMaskedLM"), ("luke", "LukeForMaskedLM"), ("mpnet", "MPNetForMaskedLM"),
     # positions from a buffer
-    ("mra", "MraForMaskedLM"),
+    ("mra", "MraForMaskedLM"), ("nystromformer", "NystromformerForMaskedLM"), ("yoso", "YosoForMaskedLM"),
     # positions from the shape (learned with an offset, sinusoidal), decoders and encoder-decoders
     ("bart", "BartForConditionalGeneration"), ("bart", "BartForCausalLM"), ("mbart", "MBartModel"),
     ("plbart", "PLBartForCausalLM"), ("marian", "MarianForCausalLM"), ("pegasus", "PegasusForCausalLM"),
