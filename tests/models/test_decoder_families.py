@@ -1,0 +1,178 @@
+"""Decoder families with attention forms of their own (issue 9) under packfree against stock transformers.
+
+Each family's attention layer runs per sample under stock attention (``adapters.families``): ALiBi (Bloom, MPT,
+Falcon with ``alibi``), per-implementation attention tables (GPT-Neo, Falcon, GIT), attention code of its own
+(GPT-NeoX-Japanese, Doge, OpenAI GPT, XLM/Flaubert), sparse-attention indexers (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4,
+AXK2), and Llama 4's chunked attention (the packfree attention function, chunks restarting at every sample).
+For every type: a packed row equals each sample run alone on stock (float64, perturbed weights), for
+``position_ids`` only and for ``DataCollatorWithFlattening``'s keyword arguments; an unpacked sample and a
+right-padded batch equal stock on the same input; ``generate()`` from a left-padded batch equals stock. The
+types packfree cannot make exact are refused at load, naming the layer and the cause.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+
+import pytest
+import torch
+import transformers
+from transformers import DataCollatorWithFlattening
+
+import packfree_plugin
+from packfree_plugin.gate.shrink import tiny_config_for
+from tests.conftest import assert_close
+
+FAMILIES: dict[str, tuple[str, dict]] = {
+    # model type -> (class, config overrides): each row one attention form
+    "bloom": ("BloomForCausalLM", {}),  # ALiBi built from the 2-D mask at model level
+    "mpt": ("MptForCausalLM", {}),  # ALiBi position_bias relative to the last key, bool mask True = hidden
+    "falcon": ("FalconForCausalLM", {}),  # RoPE, attention class from an implementation table
+    "falcon-alibi": ("FalconForCausalLM", {"alibi": True}),  # ALiBi folded into the mask at model level
+    "gpt_neo": ("GPTNeoForCausalLM", {}),  # global + local layers (window 4), eager-only class table
+    "git": ("GitForCausalLM", {}),  # eager-only class table, text only
+    "gpt_neox_japanese": ("GPTNeoXJapaneseForCausalLM", {}),  # mask added to scores, a bias returned as a parameter
+    "doge": ("DogeForCausalLM", {}),  # dynamic mask from values, top keep_window_size keys
+    "openai-gpt": ("OpenAIGPTLMHeadModel", {}),  # causal buffer of its own, no mask interface
+    "xlm": ("XLMWithLMHeadModel", {}),  # bidirectional, [B, T] mask of its own
+    "xlm-causal": ("XLMWithLMHeadModel", {"causal": True}),  # [B, T, T] mask of its own
+    "flaubert": ("FlaubertWithLMHeadModel", {}),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", {"index_topk": 4}),  # DSA indexer, top-k below the sample lengths
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", {"index_topk": 4}),  # DSA, top-k shared with later layers
+    "hy_v4": ("HYV4ForCausalLM", {"index_topk": 4}),  # DSA shared, sinks: eager
+    "axk2": ("AXK2ForCausalLM", {"index_topk": 4}),
+    "llama4_text": ("Llama4ForCausalLM", {}),  # chunked attention (chunk 4) on its chunked layers
+}
+NOT_GENERATING = {"xlm", "flaubert"}  # bidirectional masked LMs
+FLOAT32_INSIDE = 1e-5  # most of these compute their softmax (or ALiBi, or the indexer) in float32
+LENGTHS = [7, 1, 12, 3]  # longer than the tiny windows, chunks and top-k (4)
+MAX_DIFF: dict[str, float] = {}
+
+
+def config_for(name: str):
+    model_type = name.split("-")[0] if name not in ("openai-gpt",) else name
+    class_name, overrides = FAMILIES[name]
+    config = tiny_config_for(model_type)
+    cls = getattr(transformers, class_name)
+    if not isinstance(config, cls.config_class):
+        config = config.get_text_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return cls, config
+
+
+@cache
+def pair(name: str, dtype: torch.dtype = torch.float64):
+    """``(packfree_model, stock_model)``: identical perturbed weights, eval; stock on sdpa where it has it."""
+    packfree_plugin.register()
+    cls, config = config_for(name)
+    kwargs = dict(dtype=dtype, experts_implementation="eager")
+    torch.manual_seed(0)
+    try:  # each build gets its own config: loading sets the config's attention implementation
+        stock = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", **kwargs)
+    except ValueError:  # no sdpa path
+        stock = cls._from_config(copy.deepcopy(config), attn_implementation="eager", **kwargs)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in stock.parameters():
+            if parameter.is_floating_point():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    model = cls._from_config(copy.deepcopy(config), attn_implementation="packfree", **kwargs)
+    model.load_state_dict(stock.state_dict())
+    return model.eval(), stock.eval()
+
+
+def logits(result) -> torch.Tensor:
+    return result.logits if getattr(result, "logits", None) is not None else result[0]
+
+
+def samples_for(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 100, (n,), generator=generator) for n in lengths]
+
+
+def compare(name: str, ours: torch.Tensor, theirs: torch.Tensor, what: str, atol: float = FLOAT32_INSIDE) -> None:
+    MAX_DIFF[name] = max(MAX_DIFF.get(name, 0.0), (ours - theirs).abs().max().item())
+    assert_close(ours, theirs, atol=atol, rtol=0, what=f"{name}/{what}")
+
+
+@pytest.mark.parametrize("source", ["position_ids", "collator"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_row_equals_each_sample_alone(name: str, source: str) -> None:
+    model, stock = pair(name)
+    samples = samples_for(LENGTHS)
+    batch = dict(DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+        [{"input_ids": s.tolist()} for s in samples]))
+    batch.pop("labels")
+    if source == "position_ids":
+        batch = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    with torch.no_grad():
+        packed = logits(model(**batch))[0].split(LENGTHS)
+        for index, sample in enumerate(samples):
+            compare(name, packed[index], logits(stock(input_ids=sample[None], use_cache=False))[0],
+                    f"{source} sample {index}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unpacked_and_padded_batches_equal_stock(name: str) -> None:
+    """One sample per row: a lone sample, and a right-padded batch with its mask under the default cache."""
+    model, stock = pair(name)
+    lone = samples_for([13], seed=1)[0][None]
+    samples = samples_for([5, 9], seed=2)
+    ids = torch.stack([torch.cat([s, s.new_zeros(9 - len(s))]) for s in samples])
+    mask = (torch.arange(9) < torch.tensor([[5], [9]])).long()
+    with torch.no_grad():
+        compare(name, logits(model(input_ids=lone)), logits(stock(input_ids=lone)), "unpacked")
+        ours, theirs = logits(model(input_ids=ids, attention_mask=mask)), logits(stock(input_ids=ids, attention_mask=mask))
+    compare(name, ours[0, :5], theirs[0, :5], "right-padded row 0")
+    compare(name, ours[1], theirs[1], "right-padded row 1")
+
+
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name.split("-")[0] not in NOT_GENERATING])
+def test_generate_equals_stock(name: str) -> None:
+    """Greedy decoding with the cache from a single prompt and from a left-padded batch, in float32 (stock Bloom casts
+    its float64 mask minimum to a float32 -inf and gives NaN on left padding)."""
+    model, stock = pair(name, torch.float32)
+    prompts = samples_for([4, 7], seed=4)
+    ids = torch.stack([torch.cat([p.new_zeros(7 - len(p)), p]) for p in prompts])
+    mask = (torch.arange(7) >= 7 - torch.tensor([[4], [7]])).long()
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    for inputs in ({"input_ids": prompts[1][None]}, {"input_ids": ids, "attention_mask": mask}):
+        with torch.no_grad():
+            ours, theirs = model.generate(**inputs, **kwargs), stock.generate(**inputs, **kwargs)
+        assert torch.equal(ours.sequences, theirs.sequences), name
+        for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):
+            compare(name, a, b, f"generate step {step} ({len(inputs['input_ids'])} prompts)", atol=1e-4)
+
+
+REFUSED = {
+    "doge-moe": ("DogeForCausalLM", "DogeCDMoE", "B \\* T"),
+    "cpmant": ("CpmAntForCausalLM", "CpmAntEncoder", "prompt"),
+    "prophetnet": ("ProphetNetForCausalLM", "ProphetNetNgramSelfAttention", "predict streams"),
+    "xlnet": ("XLNetLMHeadModel", "XLNetRelativeAttention", "two-stream"),
+}
+REFUSED_CONFIG = {"doge-moe": {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 2}}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_cannot_be_exact_is_refused_at_load(name: str) -> None:
+    class_name, layer, cause = REFUSED[name]
+    packfree_plugin.register()
+    config = tiny_config_for(name.split("-")[0])
+    for key, value in REFUSED_CONFIG.get(name, {}).items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=rf"{layer} \(.*{cause}"):
+        getattr(transformers, class_name)._from_config(config, attn_implementation="packfree")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_max_differences(request):
+    yield
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if capture is None or not MAX_DIFF:
+        return
+    with capture.global_and_fixture_disabled():
+        print("\nmax |packfree - stock| per family (float64; generate: float32):")
+        for name, diff in sorted(MAX_DIFF.items()):
+            print(f"  {name:20s} {diff:.2e}")
