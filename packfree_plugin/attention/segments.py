@@ -3,7 +3,8 @@
 No ``[T, T]`` mask is ever built: each segment attends to itself through
 ``torch.nn.functional.scaled_dot_product_attention`` (whose CPU kernel keeps O(L) extra memory), so the
 cost is that of running the samples one by one, minus everything outside attention that now runs
-batched. Sliding windows are computed in query blocks over only the keys in reach (O(L * W) memory);
+batched. Chunked attention (Llama 4) runs each chunk of a sample as a segment of its own. Sliding windows are computed
+in query blocks over only the keys in reach (O(L * W) memory);
 softcapping and sinks, which SDPA cannot express, go through the eager reference in the same blocks.
 Padding segments produce zeros.
 
@@ -51,9 +52,7 @@ def segment_attention(
                               for t in (query, key, value))
     short: dict[int, list[int]] = {}  # length -> start offsets of the samples of that length, run together
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat token indices, output [n, L, H, Dv])
-    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
-        if padding:
-            continue  # padding spans keep the zeros they start with
+    for start, length in _attended_spans(boundaries, options.chunk):
         if length <= BATCHED_UP_TO:
             short.setdefault(length, []).append(start)
             continue
@@ -71,6 +70,18 @@ def segment_attention(
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for _, out in pieces])
         result = result.index_copy(0, where, values.to(result.dtype))
     return result.view(batch, seq_len, heads, value.shape[-1])
+
+
+def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int, int]]:
+    """``(start, length)`` over the flattened rows of every span whose tokens attend only to each other: the samples
+    (padding spans keep the zeros they start with), or with ``chunk`` each sample's chunks, counted from its start."""
+    spans = []
+    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
+        if padding:
+            continue
+        step = chunk or length
+        spans.extend((offset, min(step, start + length - offset)) for offset in range(start, start + length, step))
+    return spans
 
 
 def _one_segment(

@@ -176,3 +176,57 @@ def report_max_differences(request):
         print("\nmax |packfree - stock| per family (float64; generate: float32):")
         for name, diff in sorted(MAX_DIFF.items()):
             print(f"  {name:20s} {diff:.2e}")
+
+
+# ------------------------------------------------------------------------------------- chunked attention, unit level
+@pytest.mark.parametrize("chunk", [1, 3, 5, 64])
+def test_chunked_segments_equal_a_per_sample_reference(chunk: int) -> None:
+    """Portable packed attention with ``chunk``: each sample's queries see the keys of their own chunk, counted from
+    the sample's first token. Reference: dense softmax per sample with the chunked-causal pattern written out."""
+    from packfree_plugin.attention import AttentionOptions
+    from packfree_plugin.attention.segments import segment_attention
+    from packfree_plugin.boundaries import Boundaries
+
+    lengths = [7, 1, 12, 3, 70]  # 70: past the batched-short-segment limit
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (torch.randn(1, 4, sum(lengths), 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    boundaries = Boundaries.from_cu_seqlens(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+                                            batch_size=1, seq_len=sum(lengths))
+    out = segment_attention(query, key, value, boundaries, AttentionOptions(scale=0.3, causal=True, chunk=chunk))
+    start = 0
+    for length in lengths:
+        position = torch.arange(length)
+        visible = (position[None, :] <= position[:, None]) & (position[None, :] // chunk == position[:, None] // chunk)
+        span = slice(start, start + length)
+        logits = (query[0, :, span] @ key[0, :, span].transpose(-1, -2) * 0.3).masked_fill(~visible, float("-inf"))
+        expected = (logits.softmax(-1) @ value[0, :, span]).transpose(0, 1)
+        assert_close(out[0, span], expected, what=f"chunk {chunk}, sample of {length}")
+        start += length
+
+
+def test_a_forced_varlen_backend_refuses_chunked_attention(monkeypatch) -> None:
+    from packfree_plugin.attention import AttentionOptions, run_packed_attention
+    from packfree_plugin.boundaries import Boundaries
+
+    monkeypatch.setenv("PACKFREE_ATTENTION_BACKEND", "torch-varlen")
+    query = torch.randn(1, 2, 6, 8)
+    boundaries = Boundaries.from_cu_seqlens(torch.tensor([0, 2, 6]), batch_size=1, seq_len=6)
+    with pytest.raises(ValueError, match="chunked"):
+        run_packed_attention(query, query, query, boundaries, AttentionOptions(scale=1.0, causal=True, chunk=2))
+
+
+def test_a_mask_pattern_packfree_does_not_compute_is_refused() -> None:
+    """The mask function is replaced by the boundaries; one packfree cannot compute must raise, not vanish."""
+    from transformers import masking_utils as masks
+
+    from packfree_plugin.attention.interface import _check_pattern
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    known = masks.and_masks(masks.remap_positions_for_packed_sequence(
+        masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)), ids),
+        masks.packed_sequence_mask_function(ids))
+    _check_pattern(known)  # packed samples, chunked causal: computed by packfree
+    for unknown in (masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(ids)),
+                    lambda batch, head, q, kv: kv <= q + 1):
+        with pytest.raises(ValueError, match="does not compute"):
+            _check_pattern(masks.and_masks(masks.causal_mask_function, unknown))
