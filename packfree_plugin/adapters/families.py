@@ -10,6 +10,7 @@ one with packfree raises, naming the class and the reason.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -163,11 +164,25 @@ def _xlm_mask(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> d
     return {"mask": dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)[:, 0]}
 
 
+def _falcon_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Falcon with ALiBi under sdpa: the bias divided by sqrt(head_dim) and folded into the float mask
+    ``[n, heads, L, L]`` (what its model builds for a whole batch), per right-padded group."""
+    alibi = _alibi_per_sample(layer, hidden, call)
+    if not alibi:
+        return {}
+    bias = alibi["alibi"].view(hidden.shape[0], layer.num_heads, 1, hidden.shape[1]) / math.sqrt(layer.head_dim)
+    hidden_keys = ~dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)
+    return {**alibi, "attention_mask": bias.masked_fill(hidden_keys, torch.finfo(hidden.dtype).min)}
+
+
 ALIBI_ATTENTION = register_adapter(MixerAdapter(
-    "alibi_attention", ("BloomAttention", "FalconAttention"), token_args=("residual", "position_embeddings"),
-    output_index=0, attention="eager", per_sample=_alibi_per_sample,
-    notes="ALiBi (Bloom; Falcon with alibi) added to the scores, built by the model for the whole row; Falcon "
-          "without alibi: RoPE attention of its own code",
+    "alibi_attention", ("BloomAttention",), token_args=("residual",), output_index=0, attention="eager",
+    per_sample=_alibi_per_sample, notes="Bloom: ALiBi added to the scores, built by the model for the whole row",
+))
+FALCON_ATTENTION = register_adapter(MixerAdapter(
+    "falcon_attention", ("FalconAttention",), token_args=("position_embeddings",), output_index=0, attention="sdpa",
+    per_sample=_falcon_per_sample,
+    notes="attention of its own; with alibi, the model folds the bias into the mask of the whole row",
 ))
 MPT_ATTENTION = register_adapter(MixerAdapter(
     "mpt_attention", ("MptAttention",), output_index=0, attention="eager", per_sample=_masked_where_true,
@@ -224,9 +239,25 @@ SHARED_INDEXER_SINK_ATTENTION = register_adapter(MixerAdapter(
     per_sample_output=_full_topk_width, notes="as shared_indexer_attention, with sinks and an output gate: eager only",
 ))
 
+TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
+"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
+before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
+crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
+stock); their attention layers run per sample (above) and build their own."""
+
+
+def wants_tensor_mask(config: Any) -> bool:
+    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TENSOR_MASK_MODELS:
+        return False
+    switch = TENSOR_MASK_MODELS[model_type]
+    return switch is None or bool(getattr(config, switch, False))
+
+
 IMPLEMENTATION_TABLES: dict[str, tuple[str, str]] = {
     "transformers.models.gpt_neo.modeling_gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", "eager"),
-    "transformers.models.falcon.modeling_falcon": ("FALCON_ATTENTION_CLASSES", "eager"),
+    "transformers.models.falcon.modeling_falcon": ("FALCON_ATTENTION_CLASSES", "sdpa"),
     "transformers.models.git.modeling_git": ("GIT_SELF_ATTENTION_CLASSES", "eager"),
 }
 """Modeling module -> (its table of attention classes by implementation, the entry ``"packfree"`` gets). The class

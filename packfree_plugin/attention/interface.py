@@ -259,12 +259,40 @@ def _pattern_codes() -> dict:
     return codes
 
 
+def _cells(function: Callable) -> dict[str, object]:
+    """The closure variables of ``function`` by name."""
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__)))
+
+
+@cache
+def _or_code() -> object:
+    from transformers import masking_utils as masks
+
+    return masks.or_masks(masks.causal_mask_function).__code__
+
+
+def _adds_nothing(mask_function: Callable) -> bool:
+    """Whether ``mask_function`` is a blockwise overlay whose block ids are all negative (no block: False everywhere)."""
+    from transformers import masking_utils as masks
+
+    overlay = getattr(masks, "blockwise_overlay", None)
+    if overlay is None or mask_function.__code__ is not overlay(torch.zeros(1, 1)).__code__:
+        return False
+    return not bool((_cells(mask_function)["block_sequence_ids"] >= 0).any())
+
+
 def _check_pattern(mask_function: Callable) -> None:
     """Raise unless ``mask_function`` is built only from patterns packfree computes (causal, bidirectional, sliding
     window, chunked, padding, packed samples, combined with ``and_masks``): anything else (``or_masks``, block
     overlays, a custom function) would be dropped silently when the mask is replaced by the boundaries."""
     code = getattr(mask_function, "__code__", None)
     codes = _pattern_codes()
+    if code is _or_code():
+        # transformers' blockwise overlay (bidirectional image tokens) with no block at all (text only) adds nothing
+        inner = _cells(mask_function)["mask_functions"]
+        others = [function for function in inner if not _adds_nothing(function)]
+        if len(others) == 1:
+            return _check_pattern(others[0])
     if code not in codes:
         raise ValueError(
             f"the attention mask of this model is built with {getattr(mask_function, '__qualname__', mask_function)!r}, "
@@ -273,10 +301,27 @@ def _check_pattern(mask_function: Callable) -> None:
         )
     if codes[code] is None:
         return
-    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in mask_function.__closure__)))
-    inner = cells[codes[code]]
+    inner = _cells(mask_function)[codes[code]]
     for function in inner if isinstance(inner, (tuple, list)) else (inner,):
         _check_pattern(function)
+
+
+def _wants_tensor_mask(config: object) -> bool:
+    from ..adapters.families import wants_tensor_mask
+
+    return config is not None and wants_tensor_mask(config)
+
+
+def _packed_dense_mask(boundaries: Boundaries, mask_function: Callable | None, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' eager mask ``[B, 1, T, T]`` (0 where visible, the dtype's minimum elsewhere) of ``mask_function``
+    restricted to each segment of ``boundaries``, for models whose code needs the mask as a tensor."""
+    from transformers.masking_utils import and_masks, causal_mask_function, eager_mask, packed_sequence_mask_function
+
+    return eager_mask(
+        batch_size=boundaries.batch_size, q_length=boundaries.seq_len, kv_length=boundaries.seq_len,
+        mask_function=and_masks(mask_function or causal_mask_function, packed_sequence_mask_function(boundaries.seq_idx)),
+        dtype=dtype, device=boundaries.seq_idx.device,
+    )
 
 
 def packfree_attention_mask(
@@ -298,6 +343,8 @@ def packfree_attention_mask(
             if mask_function is not None and not torch.compiler.is_compiling():
                 # compiled forwards skip the check: their model passed it eagerly, in the sweep or the proof at load
                 _check_pattern(mask_function)
+            if _wants_tensor_mask(kwargs.get("config")):
+                return _packed_dense_mask(boundaries, mask_function, kwargs.get("dtype", torch.float32))
             return boundaries
         raise ValueError(
             "this model overlays a custom pattern on its attention mask (or_mask_function / and_mask_function, "

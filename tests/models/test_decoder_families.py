@@ -226,7 +226,8 @@ def test_a_mask_pattern_packfree_does_not_compute_is_refused() -> None:
         masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)), ids),
         masks.packed_sequence_mask_function(ids))
     _check_pattern(known)  # packed samples, chunked causal: computed by packfree
-    for unknown in (masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(ids)),
+    _check_pattern(masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(ids - 1)))  # no blocks: causal
+    for unknown in (masks.or_masks(masks.causal_mask_function, masks.blockwise_overlay(ids)),  # one block of 4
                     lambda batch, head, q, kv: kv <= q + 1):
         with pytest.raises(ValueError, match="does not compute"):
             _check_pattern(masks.and_masks(masks.causal_mask_function, unknown))
