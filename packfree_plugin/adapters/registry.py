@@ -340,6 +340,19 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
     return bool(_MIXER_NAME.search(type(module).__name__))
 
 
+def _takes_no_tokens(module: nn.Module) -> bool:
+    """A model whose forward takes neither ``input_ids`` nor ``inputs_embeds`` (an audio or vision tower, on its own
+    or inside a multimodal model): its forward builds no boundaries and never takes its parent's
+    (``context._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
+    patches), never along a packed text row."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        return False
+    names = ForwardParameters.of(module.forward).names
+    return "input_ids" not in names and "inputs_embeds" not in names
+
+
 def check_coverage(model: nn.Module) -> None:
     """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
     packfree knows it cannot run exactly (:data:`.families.REFUSED`)."""
@@ -348,10 +361,10 @@ def check_coverage(model: nn.Module) -> None:
     covered: set[str] = set()
     unknown: set[str] = set()
     for path, module in model.named_modules():
-        if any(path == prefix or path.startswith(prefix + ".") for prefix in covered):
+        if any(not prefix or path == prefix or path.startswith(prefix + ".") for prefix in covered):
             continue
         name = type(module).__name__
-        if adapter_for(type(module)) is not None:
+        if adapter_for(type(module)) is not None or _takes_no_tokens(module):
             covered.add(path)
         elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             unknown.add(name)

@@ -3,7 +3,8 @@
 Each family's attention layer runs per sample under stock attention (``adapters.families``): ALiBi (Bloom, MPT,
 Falcon with ``alibi``), per-implementation attention tables (GPT-Neo, Falcon, GIT), attention code of its own
 (GPT-NeoX-Japanese, Doge, OpenAI GPT, XLM/Flaubert), sparse-attention indexers (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4,
-AXK2), and Llama 4's chunked attention (the packfree attention function, chunks restarting at every sample).
+AXK2), Llama 4's chunked attention (the packfree attention function, chunks restarting at every sample), and
+multimodal models whose audio conv front-end only ever runs on audio (Phi-4 multimodal, MOSS), text only.
 For every type: a packed row equals each sample run alone on stock (float64, perturbed weights), for
 ``position_ids`` only and for ``DataCollatorWithFlattening``'s keyword arguments; an unpacked sample and a
 right-padded batch equal stock on the same input; ``generate()`` from a left-padded batch equals stock. The
@@ -43,6 +44,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "hy_v4": ("HYV4ForCausalLM", {"index_topk": 4}),  # DSA shared, sinks: eager
     "axk2": ("AXK2ForCausalLM", {"index_topk": 4}),
     "llama4_text": ("Llama4ForCausalLM", {}),  # chunked attention (chunk 4) on its chunked layers
+    # multimodal models with an audio conv front-end, text only: the audio tower never sees the packed row
+    "phi4_multimodal": ("Phi4MultimodalForCausalLM", {}),
+    "moss_transcribe_diarize": ("MossTranscribeDiarizeForConditionalGeneration", {}),
 }
 NOT_GENERATING = {"xlm", "flaubert"}  # bidirectional masked LMs
 FLOAT32_INSIDE = 1e-5  # most of these compute their softmax (or ALiBi, or the indexer) in float32
