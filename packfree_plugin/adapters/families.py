@@ -190,9 +190,10 @@ MPT_ATTENTION = register_adapter(MixerAdapter(
 ))
 OWN_ATTENTION = register_adapter(MixerAdapter(
     "own_attention", ("GPTNeoSelfAttention", "GitSelfAttention", "GPTNeoXJapaneseAttention"),
-    token_args=("position_embeddings",), hidden_arg="hidden_states", output_index=0, attention="eager",
-    notes="attention code of its own adding a mask (or its causal/local buffer) to the scores; GPT-Neo's local "
-          "window and OpenAI GPT's causal buffer come from the layer itself",
+    token_args=("position_embeddings",), output_index=0, attention="eager",
+    notes="attention code of its own adding the mask to the scores (GPT-Neo: and its causal/local buffer; "
+          "GPT-NeoX-Japanese: returns its dense bias, a parameter); GPT-Neo and GIT pick it from a table "
+          "(IMPLEMENTATION_TABLES)",
 ))
 OPENAI_ATTENTION = register_adapter(MixerAdapter(
     "openai_attention", ("openai.Attention",), hidden_arg="x", output_index=0, attention="eager",

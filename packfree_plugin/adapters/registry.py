@@ -292,11 +292,13 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
         fits = boundaries is not None and boundaries.describes(*hidden.shape[:2])
-        if fits and not (not boundaries.is_packed and any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
+        # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
+        # whole batch fills the cache as stock does, with the mask stock builds for these rows
+        fills_cache = fits and not boundaries.is_packed and any(
+            arguments.get(name) is not None for name in _CACHE_PARAMETERS)
+        if fits and not fills_cache:
             return _generic(adapter, layer, original, boundaries, arguments)
-        if fits and isinstance(arguments.get("attention_mask"), Boundaries):
-            # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
-            # whole batch, which fills the cache as stock does, with the mask stock builds for these rows
+        if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
             arguments["attention_mask"] = _rows_mask(boundaries, layer)
         if isinstance(arguments.get("attention_mask"), Boundaries):
             raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
