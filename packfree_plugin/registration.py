@@ -3,7 +3,9 @@
 :func:`register` (idempotent) adds ``"packfree"`` to ``AttentionInterface`` and ``AttentionMaskInterface``
 and wraps ``PreTrainedModel.post_init`` so that every model built with
 ``attn_implementation="packfree"`` (``from_pretrained``, ``from_config``, a constructor) is prepared by
-:func:`packfree_plugin.apply` as soon as it exists. :func:`unregister` undoes all three.
+:func:`packfree_plugin.apply` as soon as it exists, and its attention check so that models choosing their
+attention class from a table of implementations find a ``"packfree"`` entry (:mod:`.adapters.families`).
+:func:`unregister` undoes all of it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "register", "unregister", "is_registered"]
 
 ATTN_IMPLEMENTATION = "packfree"
 _ORIGINAL_POST_INIT = "_packfree_original_post_init"
+_ORIGINAL_CHECK = "_packfree_original_check_attn"
 
 
 def _uses_packfree(model: PreTrainedModel) -> bool:
@@ -52,17 +55,37 @@ def register() -> None:
     setattr(PreTrainedModel, _ORIGINAL_POST_INIT, original)
     PreTrainedModel.post_init = post_init
 
+    original_check = PreTrainedModel._check_and_adjust_attn_implementation
+
+    @functools.wraps(original_check)
+    def check_attn_implementation(self: PreTrainedModel, *args, **kwargs):
+        # runs in PreTrainedModel.__init__, before the model builds its layers: models that pick their attention
+        # class from a table keyed by implementation get their "packfree" entry (adapters.families)
+        implementation = original_check(self, *args, **kwargs)
+        if implementation == ATTN_IMPLEMENTATION:
+            from .adapters.families import add_implementation_entry
+
+            add_implementation_entry(type(self))
+        return implementation
+
+    setattr(PreTrainedModel, _ORIGINAL_CHECK, original_check)
+    PreTrainedModel._check_and_adjust_attn_implementation = check_attn_implementation
+
 
 def unregister() -> None:
-    """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel.post_init`` and the kernel functions
-    of modeling modules that packfree routed (:mod:`.adapters.routes`)."""
+    """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s two wrapped methods, the kernel functions
+    of modeling modules that packfree routed (:mod:`.adapters.routes`) and their attention-class tables."""
+    from .adapters.families import remove_implementation_entries
     from .adapters.routes import uninstall_routes
 
     uninstall_routes()
+    remove_implementation_entries()
     # transformers has no public way to remove a registration: these two dicts are the registries themselves
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
-    original = PreTrainedModel.__dict__.get(_ORIGINAL_POST_INIT)
-    if original is not None:
-        PreTrainedModel.post_init = original
-        delattr(PreTrainedModel, _ORIGINAL_POST_INIT)
+    for name, original_name in (("post_init", _ORIGINAL_POST_INIT),
+                                 ("_check_and_adjust_attn_implementation", _ORIGINAL_CHECK)):
+        original = PreTrainedModel.__dict__.get(original_name)
+        if original is not None:
+            setattr(PreTrainedModel, name, original)
+            delattr(PreTrainedModel, original_name)

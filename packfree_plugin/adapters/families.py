@@ -1,4 +1,5 @@
-"""One declarative entry per family of sequence mixers (see :mod:`.registry`).
+"""One declarative entry per family of sequence mixers and of attention layers with code of their own (see
+:mod:`.registry`).
 
 Every entry runs the layer's own forward per sample (the generic tier) unless it names a native
 implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
@@ -9,9 +10,14 @@ one with packfree raises, naming the class and the reason.
 
 from __future__ import annotations
 
-import torch
+import math
+import sys
+from typing import Any
 
-from .registry import MixerAdapter, positions_per_sample, register_adapter
+import torch
+from torch import nn
+
+from .registry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter
 from .forwards import lightning_forward, rg_lru_forward
 from .routes import native_forward
 
@@ -23,7 +29,19 @@ NOT_MIXERS: frozenset[str] = frozenset({
 })
 """Classes that match the mixer heuristics but mix nothing along the sequence (e.g. a vision patch conv)."""
 
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    "CpmAntEncoder": "CPM-Ant prepends learned prompt tokens to every row and attends bidirectionally over the whole "
+                     "row, prompt included: each sample alone gets a prompt of its own, a packed row shares one",
+    "ProphetNetNgramSelfAttention": "ProphetNet numbers positions from the attention mask over the whole row "
+                                    "(position_ids are not read) and its n-gram predict streams attend to the row's "
+                                    "main stream",
+    "XLNetRelativeAttention": "XLNet's two-stream relative attention runs sequence-first ([T, B]) with a bidirectional "
+                              "mask, relative encodings and permutation masks built for the whole row",
+    "LSHSelfAttention": "Reformer hashes the whole row into LSH buckets and sorts it, so samples share buckets",
+    "LocalSelfAttention": "Reformer's local attention runs in fixed chunks of the row that also see the previous chunk",
+    "DogeCDMoE": "Doge's MoE router splits the router logits of all the batch's tokens into two halves "
+                 "(view(2, B * T, -1)), so each token's experts depend on the other tokens of the batch, even in stock",
+}
 """Layer class -> why packfree cannot run it exactly on packed rows (raised at load)."""
 
 # ------------------------------------------------------------------ Gated DeltaNet / KDA (conv + delta rule)
@@ -104,10 +122,10 @@ INKLING2_CONV = register_adapter(MixerAdapter(
 ))
 
 
-def _inkling2_per_sample(num_samples: int, length: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _inkling2_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Inkling2 attention needs positions and its query-to-key ``relative_distance`` per sample."""
-    positions = torch.arange(length, device=device)
-    return {"position_ids": positions.expand(num_samples, length),
+    positions = torch.arange(hidden.shape[1], device=hidden.device)
+    return {"position_ids": positions.expand(*hidden.shape[:2]),
             "relative_distance": positions[:, None] - positions[None, :]}
 
 
@@ -119,3 +137,147 @@ INKLING2_ATTENTION = register_adapter(MixerAdapter(
     notes="relative-position bias over row distances with position-dependent log scaling, sinks, and k/v "
           "dynamic short convs fed from other layers' hidden states: runs per sample under stock eager",
 ))
+
+
+# ------------------------------------------------------------------ attention with code of its own, run per sample
+def _alibi_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """ALiBi models (Bloom, Falcon with ``alibi``): the ``alibi`` bias ``[n * heads, 1, L]`` of a right-padded group, from
+    the modeling module's own ``build_alibi_tensor``. The bias grows with the key's position; per sample it restarts
+    with the sample (softmax ignores the per-query constant, so this equals each sample alone)."""
+    if call.get("alibi") is None:
+        return {}
+    build = sys.modules[type(layer).__module__].build_alibi_tensor
+    ones = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+    return {"alibi": build(ones, layer.num_heads, dtype=hidden.dtype)}
+
+
+def _masked_where_true(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """MPT's attention takes a bool mask that is True where a key is hidden (``masked_fill``)."""
+    return {"attention_mask": ~dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)}
+
+
+def _xlm_mask(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """XLM/Flaubert's ``mask``: per token ``[n, L]`` (bidirectional; zero on a group's right padding) as gathered, or,
+    for a causal model (``[B, T, T]``, gathered to ``[n, L, T]``), the causal ``[n, L, L]`` of the group."""
+    if call["mask"].ndim == 2:
+        return {}
+    return {"mask": dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)[:, 0]}
+
+
+def _falcon_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Falcon with ALiBi under sdpa: the bias divided by sqrt(head_dim) and folded into the float mask
+    ``[n, heads, L, L]`` (what its model builds for a whole batch), per right-padded group."""
+    alibi = _alibi_per_sample(layer, hidden, call)
+    if not alibi:
+        return {}
+    bias = alibi["alibi"].view(hidden.shape[0], layer.num_heads, 1, hidden.shape[1]) / math.sqrt(layer.head_dim)
+    hidden_keys = ~dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)
+    return {**alibi, "attention_mask": bias.masked_fill(hidden_keys, torch.finfo(hidden.dtype).min)}
+
+
+ALIBI_ATTENTION = register_adapter(MixerAdapter(
+    "alibi_attention", ("BloomAttention",), token_args=("residual",), output_index=0, attention="eager",
+    per_sample=_alibi_per_sample, notes="Bloom: ALiBi added to the scores, built by the model for the whole row",
+))
+FALCON_ATTENTION = register_adapter(MixerAdapter(
+    "falcon_attention", ("FalconAttention",), token_args=("position_embeddings",), output_index=0, attention="sdpa",
+    per_sample=_falcon_per_sample,
+    notes="attention of its own; with alibi, the model folds the bias into the mask of the whole row",
+))
+MPT_ATTENTION = register_adapter(MixerAdapter(
+    "mpt_attention", ("MptAttention",), output_index=0, attention="eager", per_sample=_masked_where_true,
+    notes="ALiBi position_bias relative to the last key (equal per sample), a bool mask True where hidden",
+))
+OWN_ATTENTION = register_adapter(MixerAdapter(
+    "own_attention", ("GPTNeoSelfAttention", "GitSelfAttention", "GPTNeoXJapaneseAttention"),
+    token_args=("position_embeddings",), output_index=0, attention="eager",
+    notes="attention code of its own adding the mask to the scores (GPT-Neo: and its causal/local buffer; "
+          "GPT-NeoX-Japanese: returns its dense bias, a parameter); GPT-Neo and GIT pick it from a table "
+          "(IMPLEMENTATION_TABLES)",
+))
+OPENAI_ATTENTION = register_adapter(MixerAdapter(
+    "openai_attention", ("openai.Attention",), hidden_arg="x", output_index=0, attention="eager",
+    notes="OpenAI GPT: its causal buffer is added to the scores; the model's mask is 2-D padding only",
+))
+XLM_ATTENTION = register_adapter(MixerAdapter(
+    "xlm_attention", ("xlm.MultiHeadAttention", "flaubert.MultiHeadAttention"), hidden_arg="input",
+    token_args=("mask",), output_index=0, attention="eager", per_sample=_xlm_mask,
+    notes="XLM/Flaubert attention of its own with a model-built [B, T] (bidirectional) or [B, T, T] (causal) mask",
+))
+DOGE_ATTENTION = register_adapter(MixerAdapter(
+    "doge_attention", ("DogeAttention",), token_args=("position_embeddings",), output_index=0, attention="sdpa",
+    notes="dynamic mask attention: value-derived key scores added to the mask, top keep_window_size keys kept",
+))
+SPARSE_INDEXER_ATTENTION = register_adapter(MixerAdapter(
+    "sparse_indexer_attention", ("DeepseekV32Attention", "AXK2Attention"), token_args=("position_embeddings",),
+    output_index=0, attention="sdpa",
+    notes="DSA: an indexer picks each query's top-k keys from a dense mask; per sample the top-k stays inside the sample",
+))
+
+
+def _full_topk_width(layer: nn.Module, output: tuple) -> tuple:
+    """``(out, weights, topk_indices [n, L, min(index_topk, L)])`` -> the indices ``[n, L, index_topk]``, widened by
+    repeating their first column: a group shorter than ``index_topk`` selects all of its keys, and a repeated index
+    selects nothing more, so every group's indices have the width the packed row scatters back."""
+    indices = output[2]
+    missing = layer.config.index_topk - indices.shape[-1]
+    if missing <= 0:
+        return output
+    indices = torch.cat([indices, indices[..., :1].expand(*indices.shape[:-1], missing)], dim=-1)
+    return (*output[:2], indices, *output[3:])
+
+
+SHARED_INDEXER_ATTENTION = register_adapter(MixerAdapter(
+    "shared_indexer_attention", ("GlmMoeDsaAttention",),
+    token_args=("position_embeddings", "prev_topk_indices"), output_index=(0, 2), attention="sdpa",
+    per_sample_output=_full_topk_width,
+    notes="DSA whose top-k key indices also go to later layers that share them: per sample they are sample-local, "
+          "consistent because every such layer runs per sample",
+))
+SHARED_INDEXER_SINK_ATTENTION = register_adapter(MixerAdapter(
+    "shared_indexer_sink_attention", ("HYV4Attention",),
+    token_args=("position_embeddings", "prev_topk_indices"), output_index=(0, 2), attention="eager",
+    per_sample_output=_full_topk_width, notes="as shared_indexer_attention, with sinks and an output gate: eager only",
+))
+
+TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
+"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
+before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
+crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
+stock); their attention layers run per sample (above) and build their own."""
+
+
+def wants_tensor_mask(config: Any) -> bool:
+    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TENSOR_MASK_MODELS:
+        return False
+    switch = TENSOR_MASK_MODELS[model_type]
+    return switch is None or bool(getattr(config, switch, False))
+
+
+IMPLEMENTATION_TABLES: dict[str, tuple[str, str]] = {
+    "transformers.models.gpt_neo.modeling_gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", "eager"),
+    "transformers.models.falcon.modeling_falcon": ("FALCON_ATTENTION_CLASSES", "sdpa"),
+    "transformers.models.git.modeling_git": ("GIT_SELF_ATTENTION_CLASSES", "eager"),
+}
+"""Modeling module -> (its table of attention classes by implementation, the entry ``"packfree"`` gets). The class
+found there is covered by an adapter above, which runs it per sample under that stock implementation."""
+_ADDED: list[dict] = []
+
+
+def add_implementation_entry(model_class: type) -> None:
+    """Give ``model_class``'s modeling module's attention-class table a ``"packfree"`` entry (idempotent)."""
+    table = IMPLEMENTATION_TABLES.get(model_class.__module__)
+    if table is None:
+        return
+    classes = getattr(sys.modules[model_class.__module__], table[0])
+    if "packfree" not in classes:
+        classes["packfree"] = classes[table[1]]
+        _ADDED.append(classes)
+
+
+def remove_implementation_entries() -> None:
+    """Undo :func:`add_implementation_entry`."""
+    while _ADDED:
+        _ADDED.pop().pop("packfree", None)

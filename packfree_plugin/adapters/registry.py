@@ -31,8 +31,8 @@ from ..context import ForwardParameters, boundaries_for
 from .generic import run_unpacked
 from .routes import routed_kernels_of
 
-__all__ = ["MixerAdapter", "REGISTRY", "check_coverage", "dense_causal_mask", "positions_per_sample", "register_adapter",
-           "wrap_mixers"]
+__all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "check_coverage", "dense_causal_mask", "positions_per_sample",
+           "register_adapter", "wrap_mixers"]
 
 _EARLIER_FORWARD = "_packfree_earlier_forward"
 
@@ -46,6 +46,10 @@ _BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(layer, original_forward, boundaries, bound_arguments) -> output``."""
+PerSample = Callable[[nn.Module, torch.Tensor, dict[str, Any]], dict[str, Any]]
+"""``(layer, hidden [n, L, ...], call) -> arguments``: what a layer run on one right-padded group of ``n`` samples
+needs beyond ``call`` (the arguments it is about to get, per-token ones already cut to the group); they replace
+``call``'s entries of the same name."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,13 @@ class MixerAdapter:
     ``token_args``: further per-token arguments (``[B, T, ...]`` tensors or tuples/dicts of them, e.g.
     ``input_ids`` or the ``(cos, sin)`` position embeddings) unpacked together with ``hidden_arg``.
     ``output_index``: None when the forward returns the per-token output, else its index (or indices) in
-    the returned tuple (the other entries, recurrent states or attention weights, come back as None).
-    ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch, from
-    ``(num_samples, length, device)``.
+    the returned tuple (the other entries, recurrent states or attention weights, come back as None; a
+    parameter, the same for every sample, comes back as itself).
+    ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch (:data:`PerSample`).
+    ``per_sample_output``: ``(layer, output) -> output``, applied to each group's output before its per-token
+    entries go back into packed order (which needs them of one width in every group).
+    ``class_names`` may qualify a class by its modeling module (``"openai.Attention"`` for
+    ``transformers.models.openai.modeling_openai.Attention``) where the bare name is shared by other models.
 
     ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
     passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
@@ -80,7 +88,8 @@ class MixerAdapter:
     hidden_arg: str = "hidden_states"
     token_args: tuple[str, ...] = ()
     output_index: int | tuple[int, ...] | None = None
-    per_sample: Callable[[int, int, torch.device], dict[str, Any]] | None = None
+    per_sample: PerSample | None = None
+    per_sample_output: Callable[[nn.Module, Any], Any] | None = None
     attention: str | None = None
     causal: bool | Callable[[nn.Module], bool] = True
     notes: str = field(default="", compare=False)
@@ -106,9 +115,16 @@ def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
     return adapter
 
 
-def positions_per_sample(num_samples: int, length: int, device: torch.device) -> dict[str, Any]:
-    """``position_ids`` restarting at 0 in every sample of a right-padded batch."""
-    return {"position_ids": torch.arange(length, device=device).expand(num_samples, length)}
+def adapter_for(cls: type) -> MixerAdapter | None:
+    """The adapter covering layer class ``cls``: by its module-qualified name (``"openai.Attention"``), else its name."""
+    family = cls.__module__.rsplit(".", 2)[-2] if cls.__module__.startswith("transformers.models.") else None
+    qualified = REGISTRY.get(f"{family}.{cls.__name__}") if family is not None else None
+    return qualified if qualified is not None else REGISTRY.get(cls.__name__)
+
+
+def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:
+    """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded batch ``hidden [n, L, ...]``."""
+    return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}
 
 
 def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
@@ -169,34 +185,38 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
             f"{type(layer).__name__} got {', '.join(unsplit)} (not per token) with packed boundaries; packfree "
             "cannot tell which sample each of its rows belongs to. Pass one sample per row for this input"
         )
-    returned = []  # the layer's own output: how many entries its tuple has, or its ModelOutput class
+    returned = []  # the layer's own output: its ModelOutput class, or its tuple/list (of the last group run)
 
     def run(tokens: tuple) -> Any:
         samples = tokens[0]
         call = {**fixed, **extra, **dict(zip(token_names, tokens))}
-        if adapter.per_sample is not None:
-            call.update(adapter.per_sample(samples.shape[0], samples.shape[1], samples.device))
         if adapter.attention is not None and "attention_mask" not in token_names:
             call["attention_mask"] = dense_causal_mask(
                 samples.shape[0], samples.shape[1], samples.device, window=getattr(layer, "sliding_window", None),
                 additive_dtype=samples.dtype if adapter.attention == "eager" else None, causal=causal)
+        if adapter.per_sample is not None:
+            call.update(adapter.per_sample(layer, samples, call))
         out = original(**{k: v for k, v in call.items() if parameters.accepts(k)})
+        if adapter.per_sample_output is not None:
+            out = adapter.per_sample_output(layer, out)
         if isinstance(out, ModelOutput):  # an encoder's output: its per-token fields
             returned[:] = [type(out)]
             return {name: out.get(name) for name in _PER_TOKEN_FIELDS}
         if indices is None:
             return out
-        returned[:] = [len(out)]
+        returned[:] = [out]
         return tuple(out[i] for i in indices)
 
     tokens = tuple(arguments[name] for name in token_names)
     hidden = run_unpacked(run, tokens, boundaries, max_waste=_MAX_WASTE if causal else 0.0)
-    if returned and not isinstance(returned[0], int):
+    if returned and isinstance(returned[0], type):
         return returned[0](**hidden)
     if indices is None:
         return hidden
     by_index = dict(zip(indices, hidden))
-    return tuple(by_index.get(i) for i in range(returned[0]))
+    entries = [by_index[i] if i in by_index else value if isinstance(value, nn.Parameter) else None
+               for i, value in enumerate(returned[0])]
+    return entries if isinstance(returned[0], list) else tuple(entries)
 
 
 def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
@@ -222,7 +242,7 @@ class _StockAttention:
         self.layer = layer
         self.saved = layer.__dict__.get("config")
         stock = layer.__dict__.get("_packfree_stock_config")
-        if self.saved is None:  # a module that reads no config (DeBERTa's encoder): nothing to switch
+        if getattr(layer, "config", None) is None:  # attention code of its own that reads no config (XLM, GPT)
             stock = None
         elif stock is None or stock._attn_implementation != implementation:
             stock = copy.copy(layer.config)
@@ -235,10 +255,26 @@ class _StockAttention:
             self.layer.__dict__["config"] = self.stock
 
     def __exit__(self, *exc: object) -> None:
+        if self.stock is None:
+            return
         if self.saved is None:
             self.layer.__dict__.pop("config", None)
         else:
             self.layer.__dict__["config"] = self.saved
+
+
+def _rows_mask(boundaries: Boundaries, layer: nn.Module) -> torch.Tensor:
+    """transformers' ``sdpa`` mask ``[B, 1, T, T]`` of a batch holding one sample per row (causal, the layer's
+    ``sliding_window``, padding from the boundaries)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    window = getattr(layer, "sliding_window", None)
+    return sdpa_mask(
+        batch_size=boundaries.batch_size, q_length=boundaries.seq_len, kv_length=boundaries.seq_len,
+        mask_function=causal_mask_function if window is None else sliding_window_causal_mask_function(window),
+        attention_mask=~boundaries.padding_tokens if boundaries.has_padding else None, allow_is_causal_skip=False,
+        device=boundaries.padding_tokens.device,
+    )
 
 
 def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
@@ -279,7 +315,7 @@ def _is_wrapped(layer: nn.Module) -> bool:
 def _mixer_forward(layer: nn.Module, *args, **kwargs):
     """The forward every covered mixer gets, as ``functools.partial(_mixer_forward, layer)`` in the layer's
     ``__dict__``: picklable, and a deep copy binds to the copy."""
-    adapter = REGISTRY[type(layer).__name__]
+    adapter = adapter_for(type(layer))
     original = _own_forward(layer)
     boundaries = boundaries_for(kwargs)
     if adapter.attention is not None:
@@ -306,8 +342,15 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
     arguments = _parameters(layer).bind(args, kwargs)
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
-        if boundaries is not None and boundaries.describes(*hidden.shape[:2]):
+        fits = boundaries is not None and boundaries.describes(*hidden.shape[:2])
+        # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
+        # whole batch fills the cache as stock does, with the mask stock builds for these rows
+        fills_cache = fits and not boundaries.is_packed and any(
+            arguments.get(name) is not None for name in _CACHE_PARAMETERS)
+        if fits and not fills_cache:
             return _generic(adapter, layer, original, boundaries, arguments)
+        if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
+            arguments["attention_mask"] = _rows_mask(boundaries, layer)
         if isinstance(arguments.get("attention_mask"), Boundaries):
             raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
         if "attention_mask" in arguments:
@@ -322,7 +365,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
 
     wrapped = []
     for path, module in model.named_modules():
-        adapter = REGISTRY.get(type(module).__name__)
+        adapter = adapter_for(type(module))
         if adapter is None:
             continue
         if not _is_wrapped(module):
@@ -350,6 +393,19 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
     return bool(_MIXER_NAME.search(type(module).__name__))
 
 
+def _takes_no_tokens(module: nn.Module) -> bool:
+    """A model whose forward takes neither ``input_ids`` nor ``inputs_embeds`` (an audio or vision tower, on its own
+    or inside a multimodal model): its forward builds no boundaries and never takes its parent's
+    (``context._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
+    patches), never along a packed text row."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        return False
+    names = ForwardParameters.of(module.forward).names
+    return "input_ids" not in names and "inputs_embeds" not in names
+
+
 def check_coverage(model: nn.Module) -> None:
     """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
     packfree knows it cannot run exactly (:data:`.families.REFUSED`)."""
@@ -358,10 +414,10 @@ def check_coverage(model: nn.Module) -> None:
     covered: set[str] = set()
     unknown: set[str] = set()
     for path, module in model.named_modules():
-        if any(path == prefix or path.startswith(prefix + ".") for prefix in covered):
+        if any(not prefix or path == prefix or path.startswith(prefix + ".") for prefix in covered):
             continue
         name = type(module).__name__
-        if name in REGISTRY:
+        if adapter_for(type(module)) is not None or _takes_no_tokens(module):
             covered.add(path)
         elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             unknown.add(name)

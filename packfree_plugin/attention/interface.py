@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import cache
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -87,7 +88,8 @@ def run_packed_attention(
         seed = torch.randint(2**62, (), dtype=torch.int64) if dropout > 0 else None
         return opaque.call("packfree.packed_attention", boundaries, query, key, value, options.sinks, seed,
                            scale=options.scale, causal=options.causal, window=options.window, softcap=options.softcap,
-                           dropout=dropout, training=training, backend=backend, rows=(batch, seq_len))
+                           dropout=dropout, chunk=options.chunk, training=training, backend=backend,
+                           rows=(batch, seq_len))
     return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
 
 
@@ -110,11 +112,11 @@ def _attention_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 @boundary_function("packfree.packed_attention", output=_attention_output)
 def _packed_attention_function(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                sinks: torch.Tensor | None, seed: torch.Tensor | None, *, scale: float, causal: bool,
-                               window: int | None, softcap: float | None, dropout: float, training: bool,
-                               backend: str | None) -> torch.Tensor:
+                               window: int | None, softcap: float | None, dropout: float, chunk: int | None,
+                               training: bool, backend: str | None) -> torch.Tensor:
     """:func:`run_packed_attention` as compiled graphs call it through the opaque op. ``seed``: ``[]`` int64
     on the CPU when ``dropout > 0``: the random state the dropout is drawn from (None without dropout)."""
-    options = AttentionOptions(scale, causal, window, softcap, sinks, dropout)
+    options = AttentionOptions(scale, causal, window, softcap, sinks, dropout, chunk)
     if seed is None:
         return _run_backend(query, key, value, boundaries, options, training=training, backend=backend)
     on_cuda = query.device.type == "cuda"
@@ -129,6 +131,8 @@ def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
     if backend == "segments":
         return segment_attention(query, key, value, boundaries, options, training=training)
     chosen = next(b for b in VARLEN_BACKENDS if b.name == backend)
+    if options.chunk is not None:
+        raise ValueError(f"attention backend {backend!r} cannot run chunked attention; use the 'segments' backend")
     if not chosen.available():
         raise ValueError(f"attention backend {backend!r} was requested but cannot be loaded on this machine")
     return chosen.run(query, key, value, boundaries, options, training=training)
@@ -182,6 +186,7 @@ def packfree_attention_forward(
         softcap=softcap or None,
         sinks=sinks,
         dropout=dropout,
+        chunk=_chunk_of(module),
     )
     training = module.training
     if isinstance(attention_mask, Boundaries):
@@ -206,6 +211,17 @@ def packfree_attention_forward(
             "boundaries. Call packfree_plugin.apply(model) once, or load it with attn_implementation='packfree'"
         )
     return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
+
+
+def _chunk_of(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (transformers' convention: ``config.layer_types[layer_idx]`` is
+    ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_types is None or layer_idx is None or layer_types[layer_idx] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
 
 
 def _masked_attention(
@@ -235,6 +251,96 @@ def _masked_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+@cache
+def _pattern_codes() -> dict:
+    """Code object of each of transformers' mask-function building blocks -> how packfree serves it: ``None`` (the
+    boundaries, or the layer's own arguments, give the same pattern) or the closure variable holding the
+    function(s) it wraps."""
+    from transformers import masking_utils as masks
+
+    probe = masks.causal_mask_function
+    codes = {probe.__code__: None, masks.bidirectional_mask_function.__code__: None,
+             masks.and_masks(probe).__code__: "mask_functions",
+             # the layer passes its sliding_window to the attention function; chunked layers say so in their config
+             masks.sliding_window_overlay(1).__code__: None,
+             masks.chunked_overlay(1, torch.zeros(1, dtype=torch.long)).__code__: None,
+             masks.padding_mask_function(torch.ones(1, 1, dtype=torch.bool)).__code__: None,  # padding spans
+             masks.packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__: None}  # the samples
+    for name, wrapped in (("sliding_window_bidirectional_overlay", None), ("remap_positions_for_packed_sequence",
+                          "mask_function"), ("add_offsets_to_mask_function", "mask_function")):
+        factory = getattr(masks, name, None)  # not in every supported release
+        if factory is not None:
+            built = factory(1) if wrapped is None else factory(probe, *((torch.zeros(1, 1, dtype=torch.long),)
+                                                                         if name.startswith("remap") else (0, 0)))
+            codes[built.__code__] = wrapped
+    return codes
+
+
+def _cells(function: Callable) -> dict[str, object]:
+    """The closure variables of ``function`` by name."""
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__)))
+
+
+@cache
+def _or_code() -> object:
+    from transformers import masking_utils as masks
+
+    return masks.or_masks(masks.causal_mask_function).__code__
+
+
+def _adds_nothing(mask_function: Callable) -> bool:
+    """Whether ``mask_function`` is a blockwise overlay whose block ids are all negative (no block: False everywhere)."""
+    from transformers import masking_utils as masks
+
+    overlay = getattr(masks, "blockwise_overlay", None)
+    if overlay is None or mask_function.__code__ is not overlay(torch.zeros(1, 1)).__code__:
+        return False
+    return not bool((_cells(mask_function)["block_sequence_ids"] >= 0).any())
+
+
+def _check_pattern(mask_function: Callable) -> None:
+    """Raise unless ``mask_function`` is built only from patterns packfree computes (causal, bidirectional, sliding
+    window, chunked, padding, packed samples, combined with ``and_masks``): anything else (``or_masks``, block
+    overlays, a custom function) would be dropped silently when the mask is replaced by the boundaries."""
+    code = getattr(mask_function, "__code__", None)
+    codes = _pattern_codes()
+    if code is _or_code():
+        # transformers' blockwise overlay (bidirectional image tokens) with no block at all (text only) adds nothing
+        inner = _cells(mask_function)["mask_functions"]
+        others = [function for function in inner if not _adds_nothing(function)]
+        if len(others) == 1:
+            return _check_pattern(others[0])
+    if code not in codes:
+        raise ValueError(
+            f"the attention mask of this model is built with {getattr(mask_function, '__qualname__', mask_function)!r}, "
+            "a pattern packfree's attention does not compute; it will not drop it silently. Use "
+            "attn_implementation='sdpa' for this model, or pass one sample per row"
+        )
+    if codes[code] is None:
+        return
+    inner = _cells(mask_function)[codes[code]]
+    for function in inner if isinstance(inner, (tuple, list)) else (inner,):
+        _check_pattern(function)
+
+
+def _wants_tensor_mask(config: object) -> bool:
+    from ..adapters.families import wants_tensor_mask
+
+    return config is not None and wants_tensor_mask(config)
+
+
+def _packed_dense_mask(boundaries: Boundaries, mask_function: Callable | None, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' eager mask ``[B, 1, T, T]`` (0 where visible, the dtype's minimum elsewhere) of ``mask_function``
+    restricted to each segment of ``boundaries``, for models whose code needs the mask as a tensor."""
+    from transformers.masking_utils import and_masks, causal_mask_function, eager_mask, packed_sequence_mask_function
+
+    return eager_mask(
+        batch_size=boundaries.batch_size, q_length=boundaries.seq_len, kv_length=boundaries.seq_len,
+        mask_function=and_masks(mask_function or causal_mask_function, packed_sequence_mask_function(boundaries.seq_idx)),
+        dtype=dtype, device=boundaries.seq_idx.device,
+    )
+
+
 def packfree_attention_mask(
     batch_size: int,
     q_length: int,
@@ -246,10 +352,16 @@ def packfree_attention_mask(
     use_vmap: bool = False,
     **kwargs,
 ) -> Boundaries | torch.Tensor | None:
-    """transformers' mask-function contract. Returns this forward's boundaries when there are any."""
+    """transformers' mask-function contract. Returns this forward's boundaries when there are any, for a
+    ``mask_function`` whose pattern packfree's attention computes (:func:`_check_pattern`)."""
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         if not use_vmap:
+            if mask_function is not None and not torch.compiler.is_compiling():
+                # compiled forwards skip the check: their model passed it eagerly, in the sweep or the proof at load
+                _check_pattern(mask_function)
+            if _wants_tensor_mask(kwargs.get("config")):
+                return _packed_dense_mask(boundaries, mask_function, kwargs.get("dtype", torch.float32))
             return boundaries
         raise ValueError(
             "this model overlays a custom pattern on its attention mask (or_mask_function / and_mask_function, "

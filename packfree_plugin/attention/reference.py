@@ -25,6 +25,8 @@ class AttentionOptions:
     interface converts the few that pass ``w``.) ``softcap``: logits become ``softcap * tanh(logits / softcap)``.
     ``sinks``: one learned logit per query head (gpt-oss) that joins the softmax and carries no value.
     ``dropout``: probability applied to the attention weights.
+    ``chunk``: chunked attention (Llama 4): each sample is cut into chunks of ``chunk`` tokens from its first
+    token, and a query attends (causally) only inside its own chunk.
     """
 
     scale: float
@@ -33,6 +35,7 @@ class AttentionOptions:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     dropout: float = 0.0
+    chunk: int | None = None
 
     @property
     def needs_eager(self) -> bool:

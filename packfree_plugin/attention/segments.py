@@ -3,7 +3,8 @@
 No ``[T, T]`` mask is ever built: each segment attends to itself through
 ``torch.nn.functional.scaled_dot_product_attention`` (whose CPU kernel keeps O(L) extra memory), so the
 cost is that of running the samples one by one, minus everything outside attention that now runs
-batched. Sliding windows are computed in query blocks over only the keys in reach (O(L * W) memory);
+batched. Chunked attention (Llama 4) runs each chunk of a sample as a segment of its own. Sliding windows are computed
+in query blocks over only the keys in reach (O(L * W) memory);
 softcapping and sinks, which SDPA cannot express, go through the eager reference in the same blocks.
 Padding segments produce zeros.
 
@@ -58,13 +59,12 @@ class _Plan:
     where: torch.Tensor | None
 
 
-def _plan(boundaries: Boundaries, device: torch.device) -> _Plan:
-    """Group the samples of ``boundaries`` (long ones alone, short ones by length); built once per forward."""
+def _plan(boundaries: Boundaries, device: torch.device, chunk: int | None) -> _Plan:
+    """Group the spans of ``boundaries`` that attend only to themselves (:func:`_attended_spans`): long ones alone,
+    short ones by length; built once per forward."""
     runs: list[tuple[int, list[int]]] = []
     short: dict[int, list[int]] = {}
-    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
-        if padding:
-            continue  # padding spans keep the zeros they start with
+    for start, length in _attended_spans(boundaries, chunk):
         if length <= BATCHED_UP_TO:
             short.setdefault(length, []).append(start)
         else:
@@ -109,7 +109,8 @@ def segment_attention(
     # these are usually views, not copies
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
                               for t in (query, key, value))
-    plan = boundaries.memo(f"segment_attention_plan:{query.device}", lambda: _plan(boundaries, query.device))
+    plan = boundaries.memo(f"segment_attention_plan:{query.device}:{options.chunk}",
+                           lambda: _plan(boundaries, query.device, options.chunk))
     outputs = [
         _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
                      training=training, query_block=query_block).transpose(1, 2)  # [n, L, H, Dv]
@@ -122,6 +123,18 @@ def segment_attention(
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])
         result = result.index_copy(0, plan.where, values.to(result.dtype))
     return result.view(batch, seq_len, heads, value.shape[-1])
+
+
+def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int, int]]:
+    """``(start, length)`` over the flattened rows of every span whose tokens attend only to each other: the samples
+    (padding spans keep the zeros they start with), or with ``chunk`` each sample's chunks, counted from its start."""
+    spans = []
+    for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
+        if padding:
+            continue
+        step = chunk or length
+        spans.extend((offset, min(step, start + length - offset)) for offset in range(start, start + length, step))
+    return spans
 
 
 def _one_segment(

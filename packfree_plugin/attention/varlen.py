@@ -11,7 +11,8 @@ Every backend takes the packed batch flattened to ``[B * T, H, D]`` and the boun
 - ``kernels-hub``: the same function from a kernels-hub FlashAttention build already in the local cache
   (``kernels.get_kernel``; repo from ``PACKFREE_FLASH_KERNEL``, default ``kernels-community/flash-attn``).
 
-Sinks (gpt-oss) and float32 inputs have no fused varlen kernel here; they take the portable path.
+Sinks (gpt-oss), chunked attention (Llama 4) and float32 inputs have no fused varlen kernel here; they take the
+portable path.
 """
 
 from __future__ import annotations
@@ -108,11 +109,12 @@ def _flash_style_runner(load: Callable[[], Callable | None]) -> Callable[..., to
 
 
 def _supports_torch_varlen(query: torch.Tensor, options: AttentionOptions, training: bool) -> bool:
-    return query.dtype in _HALF_DTYPES and not options.needs_eager and not (training and options.dropout > 0)
+    return (query.dtype in _HALF_DTYPES and not options.needs_eager and not (training and options.dropout > 0)
+            and options.chunk is None)
 
 
 def _supports_flash(query: torch.Tensor, options: AttentionOptions, training: bool) -> bool:
-    return query.dtype in _HALF_DTYPES and options.sinks is None
+    return query.dtype in _HALF_DTYPES and options.sinks is None and options.chunk is None
 
 
 VARLEN_BACKENDS: tuple[VarlenBackend, ...] = (

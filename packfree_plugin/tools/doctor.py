@@ -86,7 +86,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
     from ..adapters import encoders, families  # noqa: F401  (fill REGISTRY)
-    from ..adapters.registry import REGISTRY, _looks_like_a_mixer
+    from ..adapters.registry import _looks_like_a_mixer, adapter_for
     from ..tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -100,7 +100,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
         if any(path.startswith(prefix + ".") for prefix in inside):
             continue
         name = type(module).__name__
-        adapter = REGISTRY.get(name)
+        adapter = adapter_for(type(module))
         if adapter is not None:
             inside.append(path)
             attention = getattr(adapter, "attention", None)
@@ -109,7 +109,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
             plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True, compiled=compiled))
         elif _is_attention(module):
             # an attention layer holding an adapted mixer (e.g. ZAYA's conv projection) lists that mixer too
-            if not any(type(child).__name__ in REGISTRY for child in module.modules()):
+            if not any(adapter_for(type(child)) is not None for child in module.modules()):
                 inside.append(path)
             backend = _attention_backend(module, model.config, run_device, run_dtype)
             plans.append(LayerPlan(path, name, "attention", backend, True))

@@ -28,9 +28,15 @@ ABSENT_HERE = {folder for folder in NEWER_THAN_OLDEST_RELEASE if not (MODELS / f
 
 
 def _defining_modules() -> dict[str, str]:
-    """Layer class name -> the modeling module that defines it, for every class the registry names."""
-    wanted = set(registry.REGISTRY)
+    """Layer class name -> the modeling module that defines it, for every class the registry names (a name qualified
+    by its model folder, ``"openai.Attention"``, only in that folder's modeling module)."""
+    wanted = {name for name in registry.REGISTRY if "." not in name}
     found: dict[str, str] = {}
+    for qualified in set(registry.REGISTRY) - wanted:
+        folder, name = qualified.split(".")
+        for path in (MODELS / folder).glob("modeling_*.py"):
+            if re.search(rf"^class {name}\(", path.read_text(encoding="utf-8"), re.MULTILINE):
+                found[qualified] = f"transformers.models.{folder}.{path.stem}"
     pattern = re.compile(r"^\s*class (\w+)\(", re.MULTILINE)  # some are defined inside an `if`
     for path in MODELS.glob("*/modeling_*.py"):
         for name in set(pattern.findall(path.read_text(encoding="utf-8"))) & wanted:
@@ -44,7 +50,8 @@ def test_every_adapted_layer_class_exists() -> None:
     missing = sorted(set(registry.REGISTRY) - set(defined) - absent)
     assert not missing, f"layer classes packfree adapts but transformers {transformers.__version__} lacks: {missing}"
     for name, module in defined.items():
-        assert isinstance(getattr(importlib.import_module(module), name, None), type), f"{module}.{name}"
+        cls = getattr(importlib.import_module(module), name.split(".")[-1], None)
+        assert isinstance(cls, type), f"{module}.{name}"
 
 
 @pytest.mark.parametrize("module_name", sorted(m for m in ROUTED_FUNCTIONS if m.split(".")[0] not in ABSENT_HERE))
