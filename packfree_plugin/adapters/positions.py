@@ -94,14 +94,11 @@ def register_position_adapter(adapter: PositionAdapter) -> PositionAdapter:
 
 # ------------------------------------------------------------------------------------ numbering rules
 def _count_in_sample(flags: torch.Tensor, boundaries: Boundaries) -> torch.Tensor:
-    """``flags [B, T']`` bool -> ``[B, T']`` int64: how many flagged tokens the token's sample holds up to and
-    including it (a cumulative sum that restarts at every segment). ``T' > T``: columns past the boundaries' row
-    (padding the model appended) count on in the row's last segment."""
-    batch, length = flags.shape
+    """``flags [B, T]`` bool -> ``[B, T]`` int64: how many flagged tokens the token's sample holds up to and
+    including it (a cumulative sum that restarts at every segment)."""
+    batch = flags.shape[0]
     local = boundaries.position_ids.to(flags.device)
     start = torch.arange(boundaries.seq_len, device=flags.device) - local  # column where each token's segment starts
-    if length > boundaries.seq_len:
-        start = torch.cat([start, start[:, -1:].expand(batch, length - boundaries.seq_len)], dim=1)
     running = flags.long().cumsum(1)
     before = torch.cat([running.new_zeros(batch, 1), running], dim=1).gather(1, start)  # flagged before the segment
     return running - before
@@ -172,15 +169,11 @@ RULES: dict[str, Rule] = {
     "per_sample": _per_sample,
 }
 
-_NUMBERS_PADDED_ROWS = frozenset({"after_padding_idx"})
-"""Rules that also number a row the model padded at its end before embedding it (Longformer pads to a multiple
-of its attention window): the appended padding tokens get ``padding_idx``, as stock numbers them."""
-
 # ------------------------------------------------------------------------------------------ entries
 register_position_adapter(PositionAdapter("fairseq_positions", (
     "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings", "Data2VecTextEmbeddings",
     "RobertaPreLayerNormEmbeddings", "XLMRobertaXLEmbeddings", "XmodEmbeddings", "IBertEmbeddings",
-    "LukeEmbeddings", "MPNetEmbeddings", "LongformerEmbeddings",
+    "LukeEmbeddings", "MPNetEmbeddings",
 ), "after_padding_idx", notes="create_position_ids_from_input_ids: positions from padding_idx + 1"))
 register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings", "NystromformerEmbeddings",
                                                                "YosoEmbeddings"), "position_buffer",
@@ -240,7 +233,7 @@ def _position_forward(module: nn.Module, *args, **kwargs):
     arguments = parameters.bind(args, kwargs)
     numbering = POSITION_ADAPTERS[type(module).__name__].numbering
     length = _row_length(arguments)
-    if length != boundaries.seq_len and not (numbering in _NUMBERS_PADDED_ROWS and length > boundaries.seq_len):
+    if length != boundaries.seq_len:
         return forward(*args, **kwargs)  # not this forward's packed row (a nested model's own inputs)
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
     return _number(numbering, module, functools.partial(forward, **extra), boundaries, arguments)
