@@ -228,8 +228,10 @@ def _packing_signs(arguments: dict[str, Any]) -> list[str]:
     return signs
 
 
-def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
-    """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding."""
+def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True) -> Boundaries | None:
+    """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding.
+    ``causal_labels``: ``labels`` are the row's own tokens shifted inside the loss (a causal LM), so a packed row's
+    must be -100 at every sample's first token; a seq2seq model's labels are its decoder's targets instead."""
     tokens = _tokens(arguments)
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         return None
@@ -270,7 +272,7 @@ def boundaries_for_call(arguments: dict[str, Any]) -> Boundaries | None:
             "a cache object was passed with a packed batch; a cache built from a packed row would mix samples. "
             "Call the model without `cache`/`past_key_values` for packed rows"
         )
-    if boundaries.is_packed:
+    if boundaries.is_packed and causal_labels:
         _check_labels(arguments.get("labels"), boundaries)
     return boundaries
 
@@ -306,7 +308,7 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is not None:
         tokens = _call_tokens(args, kwargs)
-        if _STACK.items and isinstance(boundaries, Boundaries) and not _fits(boundaries, tokens):
+        if _STACK.items and isinstance(boundaries, Boundaries) and not _inherits(boundaries, tokens, kwargs):
             # a nested model with inputs of its own (a vision tower, a seq2seq decoder) got its parent's
             # boundaries through the **kwargs: it gets boundaries from its own inputs, or none
             kwargs = {name: value for name, value in kwargs.items() if name != "packfree_boundaries"}
@@ -334,6 +336,16 @@ def _fits(boundaries: Boundaries, tokens: Any) -> bool:
     return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
 
 
+def _inherits(boundaries: Boundaries, tokens: Any, arguments: dict[str, Any]) -> bool:
+    """Whether a nested model called with ``tokens`` and ``arguments`` runs on its enclosing model's ``boundaries``:
+    they must fit its tokens, and a seq2seq decoder (called with ``encoder_hidden_states``) takes them only when they
+    pack samples. The encoder's padding is not the decoder's: stock decoders mask by their own
+    ``decoder_attention_mask``, or causally alone."""
+    if not _fits(boundaries, tokens):
+        return False
+    return boundaries.is_packed or arguments.get("encoder_hidden_states") is None
+
+
 def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:
     """``packfree_boundaries`` passed to a model (by its parent, or by a caller who built them ahead, e.g. for
     ``torch.compile(fullgraph=True)``) must be a :class:`Boundaries` for the call's tokens."""
@@ -351,7 +363,7 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
     parent = current()
     if parent is None or kwargs.get("use_cache") is not False:
         return None
-    return parent if _fits(parent, _call_tokens(args, kwargs)) else None
+    return parent if _inherits(parent, _call_tokens(args, kwargs), kwargs) else None
 
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
@@ -368,7 +380,9 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     arguments = {**bound.pop(parameters.var_keyword, {}), **bound} if takes_kwargs else dict(bound)
     _check_rope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
-    boundaries = outer if outer is not None and _fits(outer, _tokens(arguments)) else boundaries_for_call(arguments)
+    inherited = outer is not None and _inherits(outer, _tokens(arguments), arguments)
+    seq2seq = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
+    boundaries = outer if inherited else boundaries_for_call(arguments, causal_labels=not seq2seq)
     if boundaries is not None:
         if boundaries.is_packed and "use_cache" in bound and "use_cache" not in kwargs:  # passed positionally
             index = parameters.names.index("use_cache") - 1  # without self

@@ -355,7 +355,8 @@ def packfree_attention_mask(
     """transformers' mask-function contract. Returns this forward's boundaries when there are any, for a
     ``mask_function`` whose pattern packfree's attention computes (:func:`_check_pattern`)."""
     boundaries = current()
-    if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
+    if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
+            and _marks_their_padding(boundaries, attention_mask):
         if not use_vmap:
             if mask_function is not None and not torch.compiler.is_compiling():
                 # compiled forwards skip the check: their model passed it eagerly, in the sweep or the proof at load
@@ -372,3 +373,12 @@ def packfree_attention_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,
     )
+
+
+def _marks_their_padding(boundaries: Boundaries, attention_mask: torch.Tensor | None) -> bool:
+    """Whether a mask call's 2-D ``attention_mask`` (True/1 = a key to attend) hides exactly the boundaries'
+    padding. It does for self-attention; a seq2seq decoder's cross-attention of the same length is given the
+    encoder's mask instead, and then stock's mask is the right one (the decoder's boundaries are not the encoder's)."""
+    if attention_mask is None or attention_mask.ndim != 2 or torch.compiler.is_compiling():
+        return True
+    return torch.equal(attention_mask.bool(), ~boundaries.padding_tokens.to(attention_mask.device))

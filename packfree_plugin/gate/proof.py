@@ -3,8 +3,8 @@
 :func:`prove` packs a few samples of different lengths into one row and runs the packfree model on it twice
 (boundaries from ``position_ids`` alone, as TRL sends them; and with the keyword arguments of
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``), each time with the
-model's default ``use_cache``. It runs each sample alone (``input_ids [1, n]``, nothing else) on a stock
-twin with the same weights (``sdpa``, else ``eager``) and compares the main output (``logits``, else
+model's default ``use_cache``. It runs each sample alone (``input_ids [1, n]``, nothing else; an encoder-decoder
+also gets them as ``decoder_input_ids``, in the packed row too) on a stock twin with the same weights (``sdpa``, else ``eager``) and compares the main output (``logits``, else
 ``last_hidden_state``): a per-token output ``[1, T, ...]`` sample by sample, a pooled one (``[1, C]``) must
 come back once per sample. On a mismatch it names the modules where the packed run first departs from the
 alone runs and, with the perturbation audit of :mod:`packfree_plugin.verify`, those whose outputs crossed
@@ -131,16 +131,26 @@ def build_stock(cls: type, config) -> tuple[nn.Module, str]:
         return _build(cls, config, "eager"), "eager"
 
 
+def _with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` plus, for an encoder-decoder model, ``decoder_input_ids`` equal to its ``input_ids`` (a packed row's
+    decoder then holds the same samples in the same layout as its encoder; many such models take no decoder
+    inputs from nowhere)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return {**batch, "decoder_input_ids": batch["input_ids"]}
+    return batch
+
+
 def alone_outputs(stock: nn.Module, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Main output of each sample run alone on ``stock`` (``input_ids [1, n]``; if stock's default cache
-    raises, once more with ``use_cache=False``), float32."""
+    """Main output of each sample run alone on ``stock`` (``input_ids [1, n]``, and the same as decoder inputs of an
+    encoder-decoder; if stock's default cache raises, once more with ``use_cache=False``), float32."""
     outputs = []
     with torch.no_grad():
         for sample in samples:
+            inputs = _with_decoder_inputs(stock, {"input_ids": sample[None]})
             try:
-                outputs.append(main_output(stock(input_ids=sample[None])).float())
+                outputs.append(main_output(stock(**inputs)).float())
             except Exception:  # noqa: BLE001 - e.g. xLSTM's default cache fails on stock; retry without it
-                outputs.append(main_output(stock(input_ids=sample[None], use_cache=False)).float())
+                outputs.append(main_output(stock(**inputs, use_cache=False)).float())
     return outputs
 
 
@@ -181,8 +191,8 @@ def _wrong_modules(model: nn.Module, stock: nn.Module, samples: Sequence[torch.T
     """The first modules (in completion order) whose per-token output on the packed row differs from the same
     module's output on a sample run alone on stock."""
     lengths = [len(s) for s in samples]
-    packed = _first_outputs(model, packed_batch(samples, mode))
-    alone = [_first_outputs(stock, {"input_ids": s[None]}) for s in samples]
+    packed = _first_outputs(model, _with_decoder_inputs(model, packed_batch(samples, mode)))
+    alone = [_first_outputs(stock, _with_decoder_inputs(stock, {"input_ids": s[None]})) for s in samples]
     wrong = []
     for name, tensor in packed.items():
         if tensor.ndim < 2 or tensor.shape[0] != 1 or tensor.shape[1] != sum(lengths):
@@ -211,7 +221,7 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     samples = sample_tokens(lengths, int(getattr(config, "vocab_size", None) or TINY_VOCAB), seed=seed)
     alone = alone_outputs(stock, samples)
     for mode in MODES:
-        batch = packed_batch(samples, mode)
+        batch = _with_decoder_inputs(model, packed_batch(samples, mode))
         try:
             with torch.no_grad():
                 packed = main_output(model(**batch))
