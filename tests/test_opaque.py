@@ -87,9 +87,10 @@ def _attention(dropout: float) -> Callable[[], tuple[tuple, dict]]:
         k, v = _randn(B, 2, T, 8, seed=1, transpose=(1, 2)), _randn(B, 2, T, 8, seed=2)
         if dropout:  # SDPA takes no sinks or softcap together with dropout on the portable path's blocks
             return (q, k, v, None, torch.tensor(1234)), dict(scale=0.3, causal=True, window=None, softcap=None,
-                                                             dropout=dropout, training=True, backend=None, rows=(B, T))
+                                                             dropout=dropout, chunk=None, training=True, backend=None,
+                                                             rows=(B, T))
         return (q, k, v, _randn(4, seed=3), None), dict(scale=0.3, causal=True, window=3, softcap=2.0, dropout=0.0,
-                                                        training=True, backend=None, rows=(B, T))
+                                                        chunk=None, training=True, backend=None, rows=(B, T))
 
     return build
 

@@ -92,6 +92,16 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path) -> None:
     assert f"Padding ceiling: **{ceiling:.2f}x**" in report
 
 
+def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo-vlm", "--epochs", "1", "--batch-size", "9", "--out", str(out), "--no-progress"]) == 0
+    report = (out / "report-vlm.md").read_text()
+    summary = json.loads((out / "demo-vlm.json").read_text())["summary"]
+    assert "Speedup" in report and (out / "demo-vlm.png").exists()
+    assert summary["max_rel_loss_diff"] < 1e-5
+    assert summary["packed_efficiency"] == 1.0 and summary["padded_efficiency"] < 1.0
+
+
 def test_bench_chart_from_rows(tmp_path) -> None:
     from packfree_plugin.tools.bench import chart
 

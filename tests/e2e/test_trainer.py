@@ -20,7 +20,7 @@ LENGTHS = [9, 3, 14, 6, 11, 2, 8, 5, 12, 7, 4, 10]
 def test_trainer_with_flattening_collator_follows_the_padded_run(tmp_path, model_type, collator_kwargs) -> None:
     model, stock = fresh_pair(model_type)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    samples = samples_of(LENGTHS)
+    samples = [{"input_ids": sample} for sample in samples_of(LENGTHS)]
     common = dict(steps=3, batch_size=4, learning_rate=1e-2, seed=0, out=tmp_path, progress=False)
     padded = train(stock.train(), samples, PaddedCollator(), label="padded", **common)
     packed = train(model.train(), samples, DataCollatorWithFlattening(**collator_kwargs), label="packed", **common)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import BertModel, BertPreTrainedModel
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 
 @pytest.fixture
@@ -16,3 +19,16 @@ def roberta_without_positions(monkeypatch) -> None:
     monkeypatch.delitem(POSITION_ADAPTERS, "RobertaEmbeddings")
     monkeypatch.setattr(admission, "_verdicts", {})
     monkeypatch.setattr(admission, "is_verified", lambda model: False)
+
+
+class RowPoolingBert(BertPreTrainedModel):
+    """A remote-code head packfree knows nothing about: it pools [CLS] once per row."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.score = torch.nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(self, input_ids=None, **kwargs) -> SequenceClassifierOutput:
+        return SequenceClassifierOutput(logits=self.score(self.bert(input_ids, **kwargs).pooler_output))

@@ -11,7 +11,9 @@ from transformers import DataCollatorWithFlattening
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import MODES, build_pair, main_output, packed_batch, prove, sample_tokens
 from packfree_plugin.gate.shrink import tiny_config_for
+from packfree_plugin.context import current
 from packfree_plugin.verify import audit
+from tests.gate.conftest import RowPoolingBert
 
 
 def _pair(cls_name: str, model_type: str):
@@ -63,16 +65,28 @@ def test_a_leaking_model_is_caught_and_the_leaking_module_named(monkeypatch) -> 
 
 
 def test_one_pooled_output_per_row_is_wrong() -> None:
-    """A sequence-classification head pools once per row: a packed row must give one output per sample."""
-    model, stock, implementation = _pair("BertForSequenceClassification", "bert")
+    """A head that pools once per row: a packed row must give one output per sample."""
+    with bypassed():
+        model, stock, implementation = build_pair(RowPoolingBert, tiny_config_for("bert"))
     proof = prove(model, stock, stock_name=implementation)
     assert proof.kind == "wrong" and "not one per sample" in proof.reason
 
 
-def test_an_exception_on_the_packed_row_is_the_verdict() -> None:
-    model, stock, implementation = _pair("BigBirdForCausalLM", "big_bird")  # its attention adds the mask itself
+def test_an_exception_on_the_packed_row_is_the_verdict(monkeypatch) -> None:
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+
+    def planted(self, x):
+        boundaries = current()
+        if boundaries is not None and boundaries.is_packed:
+            raise RuntimeError("planted failure on a packed row")
+        return original(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", planted)
+    model, stock, implementation = _pair("LlamaForCausalLM", "llama")
     proof = prove(model, stock, stock_name=implementation)
-    assert proof.kind == "error" and proof.mode == MODES[0] and "Boundaries" in proof.error
+    assert proof.kind == "error" and proof.mode == MODES[0] and "planted failure" in proof.error
 
 
 def test_main_output_prefers_logits_then_hidden_states() -> None:

@@ -28,8 +28,7 @@ def test_dry_run_runs_every_check_and_writes_one_folder(tmp_path):
     allowed = ("ok", "skipped", "differs from alone (stock)", "refused by packfree's gate")
     assert all(row["status"].startswith(allowed) for row in rows), [
         row for row in rows if not row["status"].startswith(allowed)]
-    refused = [row["check"] for row in rows if row["status"].startswith("refused")]
-    assert refused == ["stock modernbert bidirectional window 128"]  # its window convention: refused, not wrong
+    assert not [row["check"] for row in rows if row["status"].startswith("refused")]  # ModernBERT's window too
     assert "| check |" in (out / "gpu.md").read_text()
 
 
