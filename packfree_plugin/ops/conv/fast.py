@@ -38,15 +38,15 @@ def _tile_len(x: Tensor, K: int) -> int:
 class _Boundary:
     """Where taps cross a sample start. ``sparse``: the boundary rows (CPU); else dense tap masks."""
 
-    def __init__(self, seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int):
+    def __init__(self, seq_idx: Tensor | None, T: int, K: int, tile: int):
         self.none = seq_idx is None or K == 1
         self.sparse = not self.none and seq_idx.device.type == "cpu" and _SPARSE_ON_CPU
         self.masks: list[Tensor | None] = [None] * K
         if self.none:
             return
-        if not self.sparse:  # masks[s][:, t] = 1 where token t + s shares token t's sample
+        if not self.sparse:  # masks[s][:, t]: token t + s shares token t's sample
             for s in range(1, K):
-                self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1).to(dtype)
+                self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1)
             return
         # rows t >= 1 whose sample started less than K - 1 tokens ago: pos(t) = t - start(t)
         Bsz = seq_idx.shape[0]
@@ -79,20 +79,26 @@ class _Boundary:
         """Pre-activation of the boundary rows from their in-sample taps only: ``[R, C]``."""
         xs = x[self.b[:, None], self.src_t]  # [R, K, C]
         w = weight.flip(1).T  # [K, C]: w[s] multiplies x[t - s]
-        out = (xs * w * self.valid[..., None].to(x.dtype)).sum(1)
+        out = (_keep(xs, self.valid[..., None]) * w).sum(1)
         return out + bias if bias is not None else out
 
 
-def _boundary(seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int) -> _Boundary:
+def _keep(t: Tensor, mask: Tensor) -> Tensor:
+    """``t`` where ``mask``, exact 0 elsewhere: a select, not a product, so a NaN or inf across a boundary
+    stays out (``0 * nan`` is NaN)."""
+    return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _boundary(seq_idx: Tensor | None, T: int, K: int, tile: int) -> _Boundary:
     """The :class:`_Boundary` of ``seq_idx``, built once per tensor and shape: every conv layer of a forward gets
     the same ``seq_idx``, so the rows are found once, not once per layer (kept on the tensor, freed with it)."""
     if seq_idx is None:
-        return _Boundary(None, T, K, dtype, tile)
+        return _Boundary(None, T, K, tile)
     cache = seq_idx.__dict__.setdefault("_packfree_conv_boundary", {})
-    key = (T, K, dtype, tile, seq_idx._version)
+    key = (T, K, tile, seq_idx._version)
     if key not in cache:
         cache.clear()
-        cache[key] = _Boundary(seq_idx, T, K, dtype, tile)
+        cache[key] = _Boundary(seq_idx, T, K, tile)
     return cache[key]
 
 
@@ -110,7 +116,7 @@ def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int
             break
         src = x[:, lo - s : t1 - s]
         if bnd.masks[s] is not None:
-            src = src * bnd.masks[s][:, lo - s : t1 - s]
+            src = _keep(src, bnd.masks[s][:, lo - s : t1 - s])
         out[:, lo - t0 :].addcmul_(src, weight[:, K - 1 - s])
     return out
 
@@ -121,7 +127,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 silu: bool) -> Tensor:
         T, K = x.shape[1], weight.shape[1]
         tile = _tile_len(x, K)
-        bnd = _boundary(seq_idx, T, K, x.dtype, tile)
+        bnd = _boundary(seq_idx, T, K, tile)
         pre = torch.empty_like(x)
         out = torch.empty_like(x) if silu else pre
         for t0 in range(0, T, tile):
@@ -179,7 +185,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                     break
                 gs = g[:, s : s + m]
                 if bnd.masks[s] is not None:
-                    gs = gs * bnd.masks[s][:, t0 : t0 + m]
+                    gs = _keep(gs, bnd.masks[s][:, t0 : t0 + m])
                 if need_x:
                     grad_x[:, t0 : t0 + m].addcmul_(gs, weight[:, K - 1 - s])
                 if need_w:
@@ -190,14 +196,13 @@ class _MaskedCausalConv1d(torch.autograd.Function):
             gb = grad_out[bnd.b, bnd.t]  # [R, C]
             if ctx.silu:
                 gb = torch.ops.aten.silu_backward(gb, pre[bnd.b, bnd.t])
-            keep = bnd.valid[:, 1:, None].to(x.dtype)  # taps s >= 1 inside the sample
-            g_taps = gb[:, None, :] * keep  # [R, K-1, C]
+            g_taps = _keep(gb[:, None, :], bnd.valid[:, 1:, None])  # [R, K-1, C]: taps s >= 1 inside the sample
             if need_x:
                 w = weight[:, : K - 1].flip(1).T  # [K-1, C]: w[s-1] multiplies x[t - s]
                 flat = (bnd.b[:, None] * T + bnd.src_t[:, 1:]).reshape(-1)
                 grad_x.view(-1, x.shape[2]).index_add_(0, flat, (g_taps * w).reshape(-1, x.shape[2]))
             if need_w:
-                xs = x[bnd.b[:, None], bnd.src_t[:, 1:]]  # [R, K-1, C]
+                xs = _keep(x[bnd.b[:, None], bnd.src_t[:, 1:]], bnd.valid[:, 1:, None])  # [R, K-1, C]
                 grad_wt[: K - 1] += (g_taps * xs).sum(0).flip(0)
         grad_w = grad_wt.T.contiguous() if need_w else None
         return grad_x, grad_w, grad_b, None, None

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._nonfinite import Quarantine
 from .naive import process_dt
 
 _NEG_INF = float("-inf")
@@ -92,6 +93,10 @@ def ssd_chunked(
 
     Computes in float32 for half-precision inputs; returns x's dtype.
     """
+    quarantine = None
+    if seq_idx is not None:  # a sample with a NaN/inf input computes on zeros and returns NaN (ops/_nonfinite.py)
+        quarantine = Quarantine(seq_idx, [(x, 1), (dt, 1), (B, 1), (C, 1), (z, 1)])
+        x, dt, B, C, z = (quarantine.clean(t) for t in (x, dt, B, C, z))
     out_dtype = x.dtype
     cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x, dt, A, B, C = (t.to(cdt) for t in (x, dt, A, B, C))
@@ -140,4 +145,6 @@ def ssd_chunked(
         y = y + x * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
     if z is not None:
         y = y * F.silu(z.to(cdt))
+    if quarantine is not None:
+        y = quarantine.mark(y)
     return y.to(out_dtype)
