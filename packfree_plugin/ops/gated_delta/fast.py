@@ -384,16 +384,17 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
     options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    per_channel=per_channel)
-    if seq_idx is None:  # rows (or one sequence): no two samples share a chunk or a state
-        return _run_one_state_per_row(q, k, v, g, beta, seq_idx, initial_state, options)
+    if seq_idx is None:  # one sample per row: no two samples share a chunk or a state
+        return _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options)
     # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
     quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g, beta)], initial_state)
     q, k, v, g, beta = (quarantine.clean(t) for t in (q, k, v, g, beta))
-    o, final = _run_one_state_per_row(q, k, v, g, beta, seq_idx, quarantine.clean_state(initial_state), options)
+    o, final = _run_chunked(q, k, v, g, beta, seq_idx, quarantine.clean_state(initial_state), options)
     return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
 
 
-def _run_one_state_per_row(q, k, v, g, beta, seq_idx, initial_state, options):
+def _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options):
+    """Rows cut into fixed chunks without initial states, else chunks aligned on sample starts."""
     if initial_state is None:
         return _run_rows(q, k, v, g, beta, seq_idx, **options)
     return _run_layout(q, k, v, g, beta, initial_state=initial_state, **options)
