@@ -6,9 +6,9 @@ NaN, so one sample's non-finite input would reach every token sharing a chunk or
 forward and backward. :class:`Quarantine` removes such samples from the mixing instead:
 
 * a sample is *poisoned* when any of its per-token inputs (or its initial state) holds a NaN or an inf,
-  found without a host sync: one sum per input over everything but batch and time (a sum is non-finite
-  exactly when a term is, or when finite terms overflow, which the op itself would not survive either),
-  then a per-sample OR by ``index_add`` over the sample's first token;
+  found without a host sync: one sum per input over everything but batch and time, added over the inputs
+  and then over the sample's tokens by ``index_add`` (a sum is non-finite exactly when a term is, or when
+  finite terms overflow, which the op itself would not survive either);
 * :meth:`Quarantine.clean` replaces every input of a poisoned sample by zeros (``torch.where``, not a
   multiplication), so the op computes on finite values only;
 * :meth:`Quarantine.mark` sets **every output token of a poisoned sample to NaN** (and
@@ -45,12 +45,11 @@ def _sample_heads(seq_idx: Tensor) -> Tensor:
     return cached[1]
 
 
-def _bad_tokens(t: Tensor, time_dim: int) -> Tensor:
-    """``[B, ..., T, ...]`` -> bool ``[B, T]``: the token holds a NaN or an inf (one sum, no host sync)."""
+def _token_sums(t: Tensor, time_dim: int) -> Tensor:
+    """``[B, ..., T, ...]`` -> ``[B, T]``: the sum of every token's values (float32, float64 for float64)."""
     dims = [d for d in range(1, t.dim()) if d != time_dim % t.dim()]
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    total = t.sum(dim=dims, dtype=acc) if dims else t.to(acc)
-    return ~torch.isfinite(total)
+    return t.sum(dim=dims, dtype=acc) if dims else t.to(acc)
 
 
 class Quarantine:
@@ -61,46 +60,52 @@ class Quarantine:
             changes; for ``cu_seqlens`` the sample's number, ``0 .. N-1``).
         per_token: ``(tensor, time_dim)`` pairs, each ``[B, ..., T, ...]`` with batch first.
         initial_state: ``[N, ...]`` per-sample initial states indexed by ``seq_idx`` values, or None.
+
+    A sample is found by one sum: the sum over all its inputs' values is non-finite exactly when one of them
+    is (or when finite values overflow the sum, then the op could not have held them either).
     """
 
     def __init__(self, seq_idx: Tensor, per_token: list[tuple[Tensor | None, int]],
                  initial_state: Tensor | None = None):
+        with torch.no_grad():  # a mask: nothing to differentiate, no graph to build
+            self._find(seq_idx, per_token, initial_state)
+
+    def _find(self, seq_idx: Tensor, per_token: list[tuple[Tensor | None, int]], initial_state: Tensor | None
+              ) -> None:
         B, T = seq_idx.shape
-        bad = torch.zeros(B, T, dtype=torch.bool, device=seq_idx.device)
+        total = None
         for t, time_dim in per_token:
             if t is not None:
-                bad |= _bad_tokens(t, time_dim)
-        self.state_bad = None
+                sums = _token_sums(t, time_dim)
+                total = sums if total is None else total + sums
         if initial_state is not None:
-            self.state_bad = ~torch.isfinite(initial_state.reshape(initial_state.shape[0], -1).sum(-1))
-            bad |= self.state_bad[seq_idx.long()]
+            state_sums = _token_sums(initial_state.reshape(initial_state.shape[0], -1, 1), 2).squeeze(1)
+            self.state_finite = torch.isfinite(state_sums)
+            total = total + state_sums[seq_idx.long()]
+        else:
+            self.state_finite = None
         heads = _sample_heads(seq_idx)
-        count = torch.zeros(B * T, dtype=torch.int32, device=seq_idx.device).index_add_(
-            0, heads, bad.reshape(-1).to(torch.int32))
-        self.head_count = count
-        self.poisoned = (count[heads] > 0).view(B, T)  # [B, T]
+        self.sample_sums = total.new_zeros(B * T).index_add_(0, heads, total.reshape(-1))  # at each first token
+        self.keep = torch.isfinite(self.sample_sums[heads]).view(B, T)  # [B, T]: token's sample is finite
 
     def _spread(self, like: Tensor, time_dim: int) -> Tensor:
         shape = [1] * like.dim()
-        shape[0], shape[time_dim] = self.poisoned.shape
-        return self.poisoned.view(shape)
+        shape[0], shape[time_dim] = self.keep.shape
+        return self.keep.view(shape)
 
     def clean(self, t: Tensor | None, time_dim: int = 1) -> Tensor | None:
         """``t [B, ..., T, ...]`` with every token of a poisoned sample replaced by 0."""
-        if t is None:
-            return None
-        return torch.where(self._spread(t, time_dim), torch.zeros((), dtype=t.dtype, device=t.device), t)
+        return None if t is None else torch.where(self._spread(t, time_dim), t, 0.0)
 
     def clean_state(self, state: Tensor | None) -> Tensor | None:
         """``[N, ...]`` initial states with the non-finite ones replaced by 0."""
-        if state is None or self.state_bad is None:
+        if state is None or self.state_finite is None:
             return state
-        mask = self.state_bad.view(-1, *[1] * (state.dim() - 1))
-        return torch.where(mask, torch.zeros((), dtype=state.dtype, device=state.device), state)
+        return torch.where(self.state_finite.view(-1, *[1] * (state.dim() - 1)), state, 0.0)
 
     def mark(self, y: Tensor, time_dim: int = 1) -> Tensor:
         """``y [B, ..., T, ...]`` with every token of a poisoned sample set to NaN."""
-        return torch.where(self._spread(y, time_dim), torch.full((), float("nan"), dtype=y.dtype, device=y.device), y)
+        return torch.where(self._spread(y, time_dim), y, float("nan"))
 
     def mark_states(self, final: Tensor | None, offsets: Tensor) -> Tensor | None:
         """``final [N, ...]`` per-sample final states with the poisoned samples' set to NaN. ``offsets [N+1]``:
@@ -108,11 +113,10 @@ class Quarantine:
         a row, or ``T * arange(B + 1)`` for one sample per row)."""
         if final is None:
             return None
-        total = self.head_count.numel()
+        total = self.sample_sums.numel()
         start, end = offsets[:-1].long(), offsets[1:].long()
-        bad = (self.head_count[start.clamp(max=max(total - 1, 0))] > 0) & (end > start) if total else (
-            torch.zeros_like(start, dtype=torch.bool))
-        if self.state_bad is not None:
-            bad = bad | self.state_bad
-        mask = bad.view(-1, *[1] * (final.dim() - 1))
-        return torch.where(mask, torch.full((), float("nan"), dtype=final.dtype, device=final.device), final)
+        finite = torch.isfinite(self.sample_sums[start.clamp(max=max(total - 1, 0))]) | (end == start) if total else (
+            torch.ones_like(start, dtype=torch.bool))
+        if self.state_finite is not None:
+            finite = finite & self.state_finite
+        return torch.where(finite.view(-1, *[1] * (final.dim() - 1)), final, float("nan"))

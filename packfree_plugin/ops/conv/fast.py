@@ -61,26 +61,37 @@ class _Boundary:
         taps = torch.arange(K)
         self.src_t = (self.t[:, None] - taps).clamp(min=0)  # [R, K]: token read by tap s
         self.valid = taps[None, :] <= self.pos[:, None]  # [R, K]: tap s stays in the sample
+        # the same as rows of the [B * T, C] flattened tokens: one index_select / index_copy_ each, where
+        # two-tensor advanced indexing costs several times more at small sizes
+        self.flat = self.b * T + self.t  # [R]
+        self.flat_src = self.b[:, None] * T + self.src_t  # [R, K]
         if self.t.numel():
             self._split_by_tile(tile, T, K)
 
     def _split_by_tile(self, tile: int, T: int, K: int) -> None:
-        """``self.tiles[i]`` = (b, t) of the boundary rows whose gradient tile i reads: t in
-        ``[t0, t1 + K - 1)``."""
+        """``self.tiles[i]``: the boundary rows whose gradient tile i reads (t in ``[t0, e)``, ``e = min(t0 + tile
+        + K - 1, T)``), as indices into that tile's ``[B * (e - t0)]`` flattened tokens (None if there are none)."""
         order = torch.argsort(self.t, stable=True)
         b, t = self.b[order], self.t[order]
         t0s = torch.arange(0, T, tile)
+        ends = (t0s + tile + K - 1).clamp(max=T)
         lo = torch.searchsorted(t, t0s).tolist()
-        hi = torch.searchsorted(t, (t0s + tile + K - 1).clamp(max=T)).tolist()
-        self.tiles = [(b[i:j], t[i:j] - t0) if j > i else None
-                      for i, j, t0 in zip(lo, hi, t0s.tolist())]
+        hi = torch.searchsorted(t, ends).tolist()
+        self.tiles = [b[i:j] * (e - t0) + t[i:j] - t0 if j > i else None
+                      for i, j, t0, e in zip(lo, hi, t0s.tolist(), ends.tolist())]
 
     def recompute(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Pre-activation of the boundary rows from their in-sample taps only: ``[R, C]``."""
-        xs = x[self.b[:, None], self.src_t]  # [R, K, C]
+        xs = _rows(x, self.flat_src)  # [R, K, C]
         w = weight.flip(1).T  # [K, C]: w[s] multiplies x[t - s]
         out = (_keep(xs, self.valid[..., None]) * w).sum(1)
         return out + bias if bias is not None else out
+
+
+def _rows(x: Tensor, flat: Tensor) -> Tensor:
+    """Tokens ``flat [...]`` (indices into the ``B * T`` flattened tokens) of ``x [B, T, C]``: ``[..., C]``."""
+    C = x.shape[-1]
+    return x.reshape(-1, C).index_select(0, flat.reshape(-1)).view(*flat.shape, C)
 
 
 def _keep(t: Tensor, mask: Tensor) -> Tensor:
@@ -137,9 +148,9 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 torch.ops.aten.silu.out(p, out=out[:, t0:t1])
         if bnd.sparse and bnd.t.numel():  # overwrite the boundary rows with their in-sample value
             fixed = bnd.recompute(x, weight, bias)
-            pre[bnd.b, bnd.t] = fixed
+            pre.view(-1, x.shape[2]).index_copy_(0, bnd.flat, fixed)
             if silu:
-                out[bnd.b, bnd.t] = F.silu(fixed)
+                out.view(-1, x.shape[2]).index_copy_(0, bnd.flat, F.silu(fixed))
         ctx.silu, ctx.has_bias, ctx.tile, ctx.bnd = silu, bias is not None, tile, bnd
         ctx.save_for_backward(x, weight, pre if silu else None)
         return out
@@ -178,7 +189,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
             if bnd.sparse and bnd.t.numel():  # boundary rows leave the dense taps (added back below)
                 rows = bnd.tiles[t0 // tile]
                 if rows is not None:
-                    g[rows] = 0
+                    g.view(-1, g.shape[2]).index_fill_(0, rows, 0.0)
             for s in range(1, K):
                 m = min(n, e - t0 - s)  # tokens t of the tile whose output t + s exists
                 if m <= 0:
@@ -193,16 +204,16 @@ class _MaskedCausalConv1d(torch.autograd.Function):
         grad_wt = acc_w.sum((1, 2)) if need_w else None
         grad_b = acc_b.sum((0, 1)) if acc_b is not None else None
         if bnd.sparse and bnd.t.numel():
-            gb = grad_out[bnd.b, bnd.t]  # [R, C]
+            gb = _rows(grad_out, bnd.flat)  # [R, C]
             if ctx.silu:
-                gb = torch.ops.aten.silu_backward(gb, pre[bnd.b, bnd.t])
+                gb = torch.ops.aten.silu_backward(gb, _rows(pre, bnd.flat))
             g_taps = _keep(gb[:, None, :], bnd.valid[:, 1:, None])  # [R, K-1, C]: taps s >= 1 inside the sample
             if need_x:
                 w = weight[:, : K - 1].flip(1).T  # [K-1, C]: w[s-1] multiplies x[t - s]
-                flat = (bnd.b[:, None] * T + bnd.src_t[:, 1:]).reshape(-1)
+                flat = bnd.flat_src[:, 1:].reshape(-1)
                 grad_x.view(-1, x.shape[2]).index_add_(0, flat, (g_taps * w).reshape(-1, x.shape[2]))
             if need_w:
-                xs = _keep(x[bnd.b[:, None], bnd.src_t[:, 1:]], bnd.valid[:, 1:, None])  # [R, K-1, C]
+                xs = _keep(_rows(x, bnd.flat_src[:, 1:]), bnd.valid[:, 1:, None])  # [R, K-1, C]
                 grad_wt[: K - 1] += (g_taps * xs).sum(0).flip(0)
         grad_w = grad_wt.T.contiguous() if need_w else None
         return grad_x, grad_w, grad_b, None, None
