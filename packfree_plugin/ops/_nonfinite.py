@@ -67,6 +67,7 @@ class Quarantine:
 
     def __init__(self, seq_idx: Tensor, per_token: list[tuple[Tensor | None, int]],
                  initial_state: Tensor | None = None):
+        self.per_token = per_token
         with torch.no_grad():  # a mask: nothing to differentiate, no graph to build
             self._find(seq_idx, per_token, initial_state)
 
@@ -88,14 +89,16 @@ class Quarantine:
         self.sample_sums = total.new_zeros(B * T).index_add_(0, heads, total.reshape(-1))  # at each first token
         self.keep = torch.isfinite(self.sample_sums[heads]).view(B, T)  # [B, T]: token's sample is finite
 
-    def _spread(self, like: Tensor, time_dim: int) -> Tensor:
+    def _shape(self, like: Tensor, time_dim: int) -> list[int]:
+        """The ``[B, 1, .., T, .., 1]`` shape that spreads a ``[B, T]`` mask over ``like``."""
         shape = [1] * like.dim()
         shape[0], shape[time_dim] = self.keep.shape
-        return self.keep.view(shape)
+        return shape
 
-    def clean(self, t: Tensor | None, time_dim: int = 1) -> Tensor | None:
-        """``t [B, ..., T, ...]`` with every token of a poisoned sample replaced by 0."""
-        return None if t is None else torch.where(self._spread(t, time_dim), t, 0.0)
+    def clean(self) -> list[Tensor | None]:
+        """The ``per_token`` tensors, in order, with every token of a poisoned sample set to 0 (None stays None)."""
+        return [None if t is None else torch.where(self.keep.view(self._shape(t, d)), t, 0.0)
+                for t, d in self.per_token]
 
     def clean_state(self, state: Tensor | None) -> Tensor | None:
         """``[N, ...]`` initial states with the non-finite ones replaced by 0."""
@@ -105,7 +108,7 @@ class Quarantine:
 
     def mark(self, y: Tensor, time_dim: int = 1) -> Tensor:
         """``y [B, ..., T, ...]`` with every token of a poisoned sample set to NaN."""
-        return torch.where(self._spread(y, time_dim), y, float("nan"))
+        return torch.where(self.keep.view(self._shape(y, time_dim)), y, float("nan"))
 
     def mark_states(self, final: Tensor | None, offsets: Tensor) -> Tensor | None:
         """``final [N, ...]`` per-sample final states with the poisoned samples' set to NaN. ``offsets [N+1]``:

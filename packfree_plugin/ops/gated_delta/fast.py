@@ -421,7 +421,7 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
         return _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options)
     # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
     quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g, beta)], initial_state)
-    q, k, v, g, beta = (quarantine.clean(t) for t in (q, k, v, g, beta))
+    q, k, v, g, beta = quarantine.clean()
     o, final = _run_chunked(q, k, v, g, beta, seq_idx, quarantine.clean_state(initial_state), options)
     return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
 

@@ -86,7 +86,7 @@ def chunk_linear_attention(
     # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
     seq_idx = resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens, validate=False)
     quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g)], initial_state)
-    q, k, v, g = (quarantine.clean(t) for t in (q, k, v, g))
+    q, k, v, g = quarantine.clean()
     o, final = _chunked(q, k, v, g, g_gamma, scale, quarantine.clean_state(initial_state), output_final_state,
                         offsets, chunk_size)
     return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)

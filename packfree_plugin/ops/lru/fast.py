@@ -126,7 +126,7 @@ def linear_recurrence(
     else:
         seq_idx = torch.arange(Bsz, dtype=torch.int32, device=a.device)[:, None].expand(Bsz, T)
     quarantine = Quarantine(seq_idx, [(a, 1), (b, 1)], initial_state)
-    h, final = _scan_samples(quarantine.clean(a), quarantine.clean(b), quarantine.clean_state(initial_state),
+    h, final = _scan_samples(*quarantine.clean(), quarantine.clean_state(initial_state),
                              output_final_state, offsets, chunk_size)
     return quarantine.mark(h), quarantine.mark_states(final, torch.tensor(offsets, device=a.device))
 

@@ -214,8 +214,7 @@ def selective_scan_chunked(
     quarantine = None
     if seq_idx is not None:  # a sample with a NaN/inf input computes on zeros and returns NaN (ops/_nonfinite.py)
         quarantine = Quarantine(seq_idx, [(u, 2), (delta, 2), (B, B.dim() - 1), (C, C.dim() - 1), (z, 2)])
-        u, delta, z = (quarantine.clean(t, 2) for t in (u, delta, z))
-        B, C = (quarantine.clean(t, t.dim() - 1) for t in (B, C))
+        u, delta, B, C, z = quarantine.clean()
     out_dtype = u.dtype
     cdt = torch.float32 if u.dtype in (torch.float16, torch.bfloat16) else u.dtype
     u, delta, A, B, C = (t.to(cdt) for t in (u, delta, A, B, C))

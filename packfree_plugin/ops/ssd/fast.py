@@ -117,7 +117,7 @@ def ssd_chunked(
     quarantine = None
     if seq_idx is not None:  # a sample with a NaN/inf input computes on zeros and returns NaN (ops/_nonfinite.py)
         quarantine = Quarantine(seq_idx, [(x, 1), (dt, 1), (B, 1), (C, 1), (z, 1)])
-        x, dt, B, C, z = (quarantine.clean(t) for t in (x, dt, B, C, z))
+        x, dt, B, C, z = quarantine.clean()
     out_dtype = x.dtype
     cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x, dt, A, B, C = (t.to(cdt) for t in (x, dt, A, B, C))
