@@ -17,8 +17,8 @@ import torch
 from tests.conftest import assert_close
 from tests.models.test_hybrids import MODEL_TYPES, output, pair, tolerance
 
-LENGTHS = [6, 11, 3, 9]  # longer than the tiny chunk / block / window sizes of the catalogue configs
-SICK = 1  # a sample with samples on both sides
+LENGTHS = [6, 9, 3, 9]  # longer than the tiny chunk / block / window sizes of the catalogue configs
+SICK = 1  # a sample with samples on both sides, and one of its length (packed attention groups equal lengths)
 GRAD_SCALE = 10
 """Gradient tolerance over the outputs' (:func:`tests.models.test_hybrids.tolerance`): the backward sums over more
 terms, and stock runs some scans in float32."""
