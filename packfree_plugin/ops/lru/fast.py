@@ -148,7 +148,7 @@ def _scan_samples(a, b, initial_state, output_final_state, offsets, chunk_size):
     if nonempty:  # reset: nothing flows into a sample's first token (its initial state is already in b)
         keep = torch.ones(Bsz * T, dtype=cdt, device=a.device).index_fill(0, starts, 0.0)
         af = af * keep[None, :, None]
-    h = _blocked_scan(af, bf, chunk_size)[0]
+    h = _blocked_scan(af, bf, chunk_size)[0] if Bsz * T else bf[0]  # no tokens: nothing to scan
     final = None
     if output_final_state:
         final = h.new_zeros(N, D) if initial_state is None else initial_state.to(cdt).clone()

@@ -127,6 +127,8 @@ def ssd_chunked(
     L = chunk_size
     nc = -(-T // L)
     pad = nc * L - T
+    if nc == 0:  # no tokens
+        return x.new_zeros(x.shape, dtype=out_dtype)
 
     dt = process_dt(dt, None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     xs, Bs, Cs = x, B, C
