@@ -262,10 +262,13 @@ def test_nonfinite_stays_in_its_sample(op: Op, name: str, sick: int, value: floa
             torch.testing.assert_close(gi, wi, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad {n}, sample {i}: {m}")
 
 
-@pytest.mark.parametrize("module, op_name", [(conv_fast, "conv"), (scan_fast, "selective_scan")])
-def test_dense_mask_paths(monkeypatch, module, op_name):
-    """The masked paths other devices take (the CPU uses sparse boundary rows) isolate too."""
-    monkeypatch.setattr(module, "_SPARSE_ON_CPU", False)
+@pytest.mark.parametrize("module, switch, value, op_name", [
+    (conv_fast, "_SPARSE_ON_CPU", False, "conv"), (conv_fast, "_SPREAD_UP_TO_BYTES", 0, "conv"),
+    (scan_fast, "_SPARSE_ON_CPU", False, "selective_scan")], ids=["conv-dense", "conv-sparse", "scan-dense"])
+def test_other_boundary_paths(monkeypatch, module, switch, value, op_name):
+    """The other paths isolate too: the masked ones other devices take, and the conv's boundary-row recompute
+    for rows too large to spread out."""
+    monkeypatch.setattr(module, switch, value)
     op = next(o for o in OPS if o.name == op_name)
     for name in op.inject or op.per_token:
         for sick in (0, 3):
