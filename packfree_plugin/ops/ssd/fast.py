@@ -7,7 +7,7 @@ exactly zero (``exp(-inf)``) everywhere it appears: between two tokens inside a 
 to its chunk's end state, and from one chunk end to the next. A boundary in the middle of a chunk
 needs no special case, and the dense work is that of the unsplit row. Every decay exponent is a sum
 of the ``dt A`` it spans (no difference of cumulative sums), so fp32 keeps stock's precision.
-Chunks run in cache-sized groups (``_GROUP_TOKENS``) with the state carried between groups, so the
+Chunks run in cache-sized groups (``_GROUP_BYTES``) with the state carried between groups, so the
 working set does not grow with T.
 """
 
@@ -26,7 +26,9 @@ from .naive import process_dt
 _NEG_INF = float("-inf")
 
 
-_GROUP_TOKENS = 128
+_GROUP_BYTES = 1 << 20
+"""Size of a group's ``[b, h, k, l, l]`` decay tensor: 1 chunk at a time at Mamba2's widths (chunk 256: 8 MiB
+per chunk at 32 heads), all of a short row at once at tiny widths (each group costs a few dozen small ops)."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -137,7 +139,7 @@ def ssd_chunked(
         dt = F.pad(dt, (0, 0, 0, pad))
         Bs = F.pad(B, (0, 0, 0, 0, 0, pad))
         Cs = F.pad(C, (0, 0, 0, 0, 0, pad))
-    k = max(1, _GROUP_TOKENS // L)
+    k = max(1, _GROUP_BYTES // (Bsz * H * L * L * x.element_size()))  # chunks per group
     groups = -(-nc // k)
     if seq_idx is not None:
         # padded tokens join the last sample (integer replicate-padding is not on every device)
@@ -153,7 +155,7 @@ def ssd_chunked(
     dth = dt.view(Bsz, nc * L, G, R).permute(0, 2, 3, 1).reshape(Bsz, G, R, nc, L)
     Bh = Bs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
     Ch = Cs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
-    # Chunks are processed in groups of about _GROUP_TOKENS tokens, the state carried from group to
+    # Chunks are processed in groups of about _GROUP_BYTES, the state carried from group to
     # group: a group's [L, L] decay and score tensors stay in cache through all their passes (and
     # again in the backward). split, not slicing in a loop: the backward concatenates once.
     S = xh.new_zeros(Bsz, G, R, P, N)
