@@ -12,14 +12,14 @@ Boundaries sit inside chunks (no chunk per sample), so the packed row does the u
 
 Per-forward overhead: tiny models (``packfree_plugin.tiny``), one forward of a 64-token row packed from 4 samples
 under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid.
-Minimum of interleaved repeats (the least disturbed run on a shared machine).
+Median of interleaved repeats, every ratio from one run.
 ``python -m benchmarks.short_samples [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import time
 from typing import Callable
 
@@ -33,16 +33,18 @@ def short_lengths(seed: int = 0) -> list[int]:
     return torch.randint(4, 33, (SAMPLES,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _min_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of every function over ``repeats`` interleaved runs (after one warm-up run each), so
+    that a disturbance on the shared machine hits all of them alike."""
     for fn in fns.values():
         fn()
-    best = {k: math.inf for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             start = time.perf_counter()
             fn()
-            best[k] = min(best[k], time.perf_counter() - start)
-    return {k: v * 1e3 for k, v in best.items()}
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _gdn(T: int, cu: torch.Tensor, H: int, K: int) -> dict[str, Callable[[], None]]:
@@ -133,7 +135,7 @@ def overhead_rows(quick: bool = False) -> list[dict]:
                     model(input_ids=ids, use_cache=False, **inputs)
             return call
 
-        ms = _min_ms({"packed": forward(models["packfree"], position_ids=positions),
+        ms = _median_ms({"packed": forward(models["packfree"], position_ids=positions),
                       "stock": forward(models["sdpa"])}, repeats=5 if quick else 30)
         rows.append({"op": f"forward overhead, tiny {model_type}", "tokens": 64, "samples": 4,
                      "packed ms": ms["packed"], "x stock unsplit": ms["packed"] / ms["stock"],
@@ -165,7 +167,7 @@ def _op_rows(quick: bool) -> list[dict]:
     }
     rows = []
     for name, make in cases.items():
-        ms = _min_ms(make(), repeats=3 if quick else 15)
+        ms = _median_ms(make(), repeats=3 if quick else 15)
         rows.append({"op": name, "tokens": T, "samples": SAMPLES, "packed ms": ms["packed"],
                      "x stock unsplit": ms["packed"] / ms["stock unsplit"],
                      "x packfree unsplit": ms["packed"] / ms["packfree unsplit"]})

@@ -37,9 +37,11 @@ def test_packed_matches_per_sample(kit, data):
         kw = {"cu_seqlens": kit.cu_seqlens_of(rows[0], data.draw(st.sampled_from([torch.int32, torch.int64])))}
     tiny_tiles = data.draw(st.booleans(), label="tiny_tiles")  # many tiles of 4K tokens
     dense = data.draw(st.booleans(), label="dense_masks")  # the no-host-sync path of non-CPU devices
-    saved = conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU
+    spread = data.draw(st.booleans(), label="spread")  # small rows: K - 1 zero tokens before every sample
+    saved = conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU, conv_masked._SPREAD_UP_TO_BYTES
     conv_masked._TILE_BYTES = 1 if tiny_tiles else saved[0]
     conv_masked._SPARSE_ON_CPU = not dense
+    conv_masked._SPREAD_UP_TO_BYTES = saved[2] if spread else 0
     try:
         out = causal_conv1d(x, w, b, activation=act, backend="torch", **kw)
         ref = kit.per_sample(lambda xs: naive_causal_conv1d(xs, w, b, activation=act), rows, [(x, 1)], 1)
@@ -51,7 +53,7 @@ def test_packed_matches_per_sample(kit, data):
         s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
         kit.assert_isolated(out, 1, seq_idx, {"x": (x, 1)}, r, s)
     finally:
-        conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU = saved
+        conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU, conv_masked._SPREAD_UP_TO_BYTES = saved
 
 
 def test_no_boundaries_is_plain_causal_conv(kit):

@@ -50,14 +50,14 @@ def test_packed_matches_per_sample(kit, data):
     if Bsz == 1 and data.draw(st.booleans(), label="cu_seqlens"):
         bounds = {"cu_seqlens": kit.cu_seqlens_of(rows[0])}
     shared = dict(D=t["D"], dt_bias=t["dt_bias"], **opts)
-    group_tokens = data.draw(st.sampled_from([1, chunk + 1, 1 << 16]), label="group_tokens")
-    saved = ssd_torch._GROUP_TOKENS
-    ssd_torch._GROUP_TOKENS = group_tokens  # 1 chunk per group, ~2 chunks, or all chunks at once
+    per_group = data.draw(st.sampled_from([1, 2, 1 << 16]), label="chunks_per_group")
+    saved = ssd_torch._GROUP_BYTES
+    ssd_torch._GROUP_BYTES = per_group * Bsz * 4 * chunk * chunk * 8  # 1 chunk per group, 2, or all at once
     try:
         out = ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=chunk, z=t["z"],
                              backend="torch", **shared, **bounds)
     finally:
-        ssd_torch._GROUP_TOKENS = saved
+        ssd_torch._GROUP_BYTES = saved
     ref = kit.per_sample(
         lambda x, dt, B, C, z: naive_ssd(x, dt, t["A"], B, C, z=z, **shared),
         rows, [(t["x"], 1), (t["dt"], 1), (t["B"], 1), (t["C"], 1), (t["z"], 1)], 1)

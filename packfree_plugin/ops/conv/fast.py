@@ -26,7 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._seq import first_token_mask
+
 _TILE_BYTES = 1 << 19
+_SPREAD_UP_TO_BYTES = 1 << 19
+"""Packed rows up to this size (x's bytes) on the CPU run spread out, K - 1 zero tokens before every sample
+(:func:`causal_conv1d_masked`); larger ones recompute their boundary rows."""
 _SPARSE_ON_CPU = True  # tests set False to run the dense-mask path (what other devices use) on CPU
 
 
@@ -38,15 +43,15 @@ def _tile_len(x: Tensor, K: int) -> int:
 class _Boundary:
     """Where taps cross a sample start. ``sparse``: the boundary rows (CPU); else dense tap masks."""
 
-    def __init__(self, seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int):
+    def __init__(self, seq_idx: Tensor | None, T: int, K: int, tile: int):
         self.none = seq_idx is None or K == 1
         self.sparse = not self.none and seq_idx.device.type == "cpu" and _SPARSE_ON_CPU
         self.masks: list[Tensor | None] = [None] * K
         if self.none:
             return
-        if not self.sparse:  # masks[s][:, t] = 1 where token t + s shares token t's sample
+        if not self.sparse:  # masks[s][:, t]: token t + s shares token t's sample
             for s in range(1, K):
-                self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1).to(dtype)
+                self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1)
             return
         # rows t >= 1 whose sample started less than K - 1 tokens ago: pos(t) = t - start(t)
         Bsz = seq_idx.shape[0]
@@ -61,38 +66,55 @@ class _Boundary:
         taps = torch.arange(K)
         self.src_t = (self.t[:, None] - taps).clamp(min=0)  # [R, K]: token read by tap s
         self.valid = taps[None, :] <= self.pos[:, None]  # [R, K]: tap s stays in the sample
+        # the same as rows of the [B * T, C] flattened tokens: one index_select / index_copy_ each, where
+        # two-tensor advanced indexing costs several times more at small sizes
+        self.flat = self.b * T + self.t  # [R]
+        self.flat_src = self.b[:, None] * T + self.src_t  # [R, K]
         if self.t.numel():
             self._split_by_tile(tile, T, K)
 
     def _split_by_tile(self, tile: int, T: int, K: int) -> None:
-        """``self.tiles[i]`` = (b, t) of the boundary rows whose gradient tile i reads: t in
-        ``[t0, t1 + K - 1)``."""
+        """``self.tiles[i]``: the boundary rows whose gradient tile i reads (t in ``[t0, e)``, ``e = min(t0 + tile
+        + K - 1, T)``), as indices into that tile's ``[B * (e - t0)]`` flattened tokens (None if there are none)."""
         order = torch.argsort(self.t, stable=True)
         b, t = self.b[order], self.t[order]
         t0s = torch.arange(0, T, tile)
+        ends = (t0s + tile + K - 1).clamp(max=T)
         lo = torch.searchsorted(t, t0s).tolist()
-        hi = torch.searchsorted(t, (t0s + tile + K - 1).clamp(max=T)).tolist()
-        self.tiles = [(b[i:j], t[i:j] - t0) if j > i else None
-                      for i, j, t0 in zip(lo, hi, t0s.tolist())]
+        hi = torch.searchsorted(t, ends).tolist()
+        self.tiles = [b[i:j] * (e - t0) + t[i:j] - t0 if j > i else None
+                      for i, j, t0, e in zip(lo, hi, t0s.tolist(), ends.tolist())]
 
     def recompute(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Pre-activation of the boundary rows from their in-sample taps only: ``[R, C]``."""
-        xs = x[self.b[:, None], self.src_t]  # [R, K, C]
+        xs = _rows(x, self.flat_src)  # [R, K, C]
         w = weight.flip(1).T  # [K, C]: w[s] multiplies x[t - s]
-        out = (xs * w * self.valid[..., None].to(x.dtype)).sum(1)
+        out = (_keep(xs, self.valid[..., None]) * w).sum(1)
         return out + bias if bias is not None else out
 
 
-def _boundary(seq_idx: Tensor | None, T: int, K: int, dtype: torch.dtype, tile: int) -> _Boundary:
+def _rows(x: Tensor, flat: Tensor) -> Tensor:
+    """Tokens ``flat [...]`` (indices into the ``B * T`` flattened tokens) of ``x [B, T, C]``: ``[..., C]``."""
+    C = x.shape[-1]
+    return x.reshape(-1, C).index_select(0, flat.reshape(-1)).view(*flat.shape, C)
+
+
+def _keep(t: Tensor, mask: Tensor) -> Tensor:
+    """``t`` where ``mask``, exact 0 elsewhere: a select, not a product, so a NaN or inf across a boundary
+    stays out (``0 * nan`` is NaN)."""
+    return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _boundary(seq_idx: Tensor | None, T: int, K: int, tile: int) -> _Boundary:
     """The :class:`_Boundary` of ``seq_idx``, built once per tensor and shape: every conv layer of a forward gets
     the same ``seq_idx``, so the rows are found once, not once per layer (kept on the tensor, freed with it)."""
     if seq_idx is None:
-        return _Boundary(None, T, K, dtype, tile)
+        return _Boundary(None, T, K, tile)
     cache = seq_idx.__dict__.setdefault("_packfree_conv_boundary", {})
-    key = (T, K, dtype, tile, seq_idx._version)
+    key = (T, K, tile, seq_idx._version)
     if key not in cache:
         cache.clear()
-        cache[key] = _Boundary(seq_idx, T, K, dtype, tile)
+        cache[key] = _Boundary(seq_idx, T, K, tile)
     return cache[key]
 
 
@@ -110,7 +132,7 @@ def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int
             break
         src = x[:, lo - s : t1 - s]
         if bnd.masks[s] is not None:
-            src = src * bnd.masks[s][:, lo - s : t1 - s]
+            src = _keep(src, bnd.masks[s][:, lo - s : t1 - s])
         out[:, lo - t0 :].addcmul_(src, weight[:, K - 1 - s])
     return out
 
@@ -121,7 +143,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 silu: bool) -> Tensor:
         T, K = x.shape[1], weight.shape[1]
         tile = _tile_len(x, K)
-        bnd = _boundary(seq_idx, T, K, x.dtype, tile)
+        bnd = _boundary(seq_idx, T, K, tile)
         pre = torch.empty_like(x)
         out = torch.empty_like(x) if silu else pre
         for t0 in range(0, T, tile):
@@ -131,9 +153,9 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 torch.ops.aten.silu.out(p, out=out[:, t0:t1])
         if bnd.sparse and bnd.t.numel():  # overwrite the boundary rows with their in-sample value
             fixed = bnd.recompute(x, weight, bias)
-            pre[bnd.b, bnd.t] = fixed
+            pre.view(-1, x.shape[2]).index_copy_(0, bnd.flat, fixed)
             if silu:
-                out[bnd.b, bnd.t] = F.silu(fixed)
+                out.view(-1, x.shape[2]).index_copy_(0, bnd.flat, F.silu(fixed))
         ctx.silu, ctx.has_bias, ctx.tile, ctx.bnd = silu, bias is not None, tile, bnd
         ctx.save_for_backward(x, weight, pre if silu else None)
         return out
@@ -172,14 +194,14 @@ class _MaskedCausalConv1d(torch.autograd.Function):
             if bnd.sparse and bnd.t.numel():  # boundary rows leave the dense taps (added back below)
                 rows = bnd.tiles[t0 // tile]
                 if rows is not None:
-                    g[rows] = 0
+                    g.view(-1, g.shape[2]).index_fill_(0, rows, 0.0)
             for s in range(1, K):
                 m = min(n, e - t0 - s)  # tokens t of the tile whose output t + s exists
                 if m <= 0:
                     break
                 gs = g[:, s : s + m]
                 if bnd.masks[s] is not None:
-                    gs = gs * bnd.masks[s][:, t0 : t0 + m]
+                    gs = _keep(gs, bnd.masks[s][:, t0 : t0 + m])
                 if need_x:
                     grad_x[:, t0 : t0 + m].addcmul_(gs, weight[:, K - 1 - s])
                 if need_w:
@@ -187,17 +209,16 @@ class _MaskedCausalConv1d(torch.autograd.Function):
         grad_wt = acc_w.sum((1, 2)) if need_w else None
         grad_b = acc_b.sum((0, 1)) if acc_b is not None else None
         if bnd.sparse and bnd.t.numel():
-            gb = grad_out[bnd.b, bnd.t]  # [R, C]
+            gb = _rows(grad_out, bnd.flat)  # [R, C]
             if ctx.silu:
-                gb = torch.ops.aten.silu_backward(gb, pre[bnd.b, bnd.t])
-            keep = bnd.valid[:, 1:, None].to(x.dtype)  # taps s >= 1 inside the sample
-            g_taps = gb[:, None, :] * keep  # [R, K-1, C]
+                gb = torch.ops.aten.silu_backward(gb, _rows(pre, bnd.flat))
+            g_taps = _keep(gb[:, None, :], bnd.valid[:, 1:, None])  # [R, K-1, C]: taps s >= 1 inside the sample
             if need_x:
                 w = weight[:, : K - 1].flip(1).T  # [K-1, C]: w[s-1] multiplies x[t - s]
-                flat = (bnd.b[:, None] * T + bnd.src_t[:, 1:]).reshape(-1)
+                flat = bnd.flat_src[:, 1:].reshape(-1)
                 grad_x.view(-1, x.shape[2]).index_add_(0, flat, (g_taps * w).reshape(-1, x.shape[2]))
             if need_w:
-                xs = x[bnd.b[:, None], bnd.src_t[:, 1:]]  # [R, K-1, C]
+                xs = _keep(_rows(x, bnd.flat_src[:, 1:]), bnd.valid[:, 1:, None])  # [R, K-1, C]
                 grad_wt[: K - 1] += (g_taps * xs).sum(0).flip(0)
         grad_w = grad_wt.T.contiguous() if need_w else None
         return grad_x, grad_w, grad_b, None, None
@@ -215,5 +236,31 @@ def causal_conv1d_masked(
 
     No argument checks here (the public op does them); ``seq_idx=None`` means one sample per row.
     """
-    return _MaskedCausalConv1d.apply(x.contiguous(), weight, bias, seq_idx,
-                                     activation in ("silu", "swish"))
+    silu = activation in ("silu", "swish")
+    K = weight.shape[1]
+    if (seq_idx is not None and K > 1 and seq_idx.device.type == "cpu" and _SPARSE_ON_CPU
+            and x.numel() * x.element_size() <= _SPREAD_UP_TO_BYTES):
+        # a small row: the fixed cost of the boundary rows' dozen gathers and scatters is most of the op (1.25x
+        # stock's unsplit conv at 16 samples of 4-32 tokens, C = 64, against 1.0x spread out), so give every
+        # sample its own K - 1 zero tokens and run the unsplit conv on the spread-out row
+        B, T, C = x.shape
+        slots, length = _spread(seq_idx, K)
+        spread = x.new_zeros(1, length, C).index_copy(1, slots, x.reshape(1, B * T, C))
+        out = _MaskedCausalConv1d.apply(spread, weight, bias, None, silu)
+        return out.index_select(1, slots).view(B, T, C)
+    return _MaskedCausalConv1d.apply(x.contiguous(), weight, bias, seq_idx, silu)
+
+
+def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
+    """``(slots [B * T] long, length)``: token ``j`` of the flattened rows at ``slots[j]`` of a ``length``-token
+    row where K - 1 zero tokens precede every sample. Kept on ``seq_idx`` (every layer of a forward passes the
+    same tensor); reading ``length`` is no device sync (CPU only)."""
+    key = (K, tuple(seq_idx.shape), seq_idx._version)
+    cached = seq_idx.__dict__.get("_packfree_conv_spread")
+    if cached is None or cached[0] != key:
+        starts = first_token_mask(seq_idx).reshape(-1).long()  # rows start samples too
+        count = starts.cumsum(0)
+        slots = torch.arange(starts.numel()) + (K - 1) * count
+        cached = (key, (slots, starts.numel() + (K - 1) * int(count[-1])))
+        seq_idx.__dict__["_packfree_conv_spread"] = cached
+    return cached[1]

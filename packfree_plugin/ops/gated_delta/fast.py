@@ -30,10 +30,14 @@ states, chunks start on sample starts instead (see ``ops/_varlen.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from packfree_plugin.ops._boundary_doc import with_boundary_doc
+from packfree_plugin.ops._nonfinite import Quarantine
 from packfree_plugin.ops._seq import resolve_seq_idx
 from packfree_plugin.ops._varlen import (
     ChunkLayout,
@@ -91,14 +95,19 @@ def _check_chunking(chunk_size: int, per_channel: bool) -> None:
 _NEG_INF = float("-inf")
 
 
-def _scalar_gram(q, k, gc, beta, pair):
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
+    """``[C, C]`` bool, True above the diagonal: the pairs ``s > r`` no decay links."""
+    return ~torch.ones(C, C, dtype=torch.bool, device=device).tril()
+
+
+def _scalar_gram(q, k, gc, beta, cut):
     """Scalar decay: ``A`` (strictly lower, beta-scaled) and ``P`` (lower incl. diagonal), ``[M, H, C, C]``.
-    ``pair [M, 1, C, C]``: same-sample pairs (None: the whole chunk is one sample)."""
-    C = gc.shape[-1]
-    incl = torch.ones(C, C, dtype=torch.bool, device=gc.device).tril()
-    if pair is not None:
-        incl = incl & pair
-    decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(~incl, _NEG_INF))
+    ``cut [M, 1, C, C]``: pairs without a decay, above the diagonal or of two samples (None: the whole chunk is
+    one sample)."""
+    if cut is None:
+        cut = _above_diagonal(gc.shape[-1], gc.device)
+    decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(cut, _NEG_INF))
     P = (q @ k.transpose(-1, -2)) * decay
     A = (k @ k.transpose(-1, -2)) * decay.tril(-1) * beta[..., :, None]
     return A, P
@@ -146,26 +155,47 @@ def _per_channel_gram(q, k, gc, beta, seq):
     return A * beta[..., :, None], P
 
 
-def _intra_chunk(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
+class _UnitLowerInverse(torch.autograd.Function):
+    """``(I + A)^-1`` for strictly lower-triangular ``A [..., C, C]``: one batched triangular solve forward; the
+    backward is two matmuls, ``dA = -tril_{-1}(X^T dX X^T)`` (``X`` the inverse), where autograd's solve backward
+    would solve again (measured 3x slower at C = 64)."""
+
+    @staticmethod
+    def forward(ctx, A: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        X = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+        ctx.save_for_backward(X)
+        return X
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (X,) = ctx.saved_tensors
+        Xt = X.transpose(-1, -2)
+        return (Xt @ grad @ Xt).neg_().tril_(-1)
+
+
+def _intra_chunk(q, k, v, gc, beta, seq, cut, fresh, not_last, *, per_channel: bool):
     """Everything that is independent per chunk: ``(P, U, W, qg, decay_last, k_end)``.
 
-    ``seq [M, C]``: sample of every token, ``cont [M, C]``: token continues the sample running before the
-    chunk (both None: every chunk is one sample that continues).
+    Boundaries (all None: every chunk is one sample that continues): ``seq [M, C]`` the sample of every token,
+    ``cut [M, 1, C, C]`` the pairs without a decay (:func:`_scalar_gram`), ``fresh [M, C]`` tokens that do not
+    continue the sample running before the chunk, ``not_last [M, C]`` tokens of another sample than the chunk's
+    last token's.
     """
-    C = q.shape[-2]
     expand = (lambda m: m[:, None, :, None]) if per_channel else (lambda m: m[:, None, :])
-    gain_exp = gc if cont is None else gc.masked_fill(~expand(cont), _NEG_INF)
+    gain_exp = gc if fresh is None else gc.masked_fill(expand(fresh), _NEG_INF)
     last = gc[..., -1:, :] if per_channel else gc[..., -1:]
     to_end = last - gc
-    if seq is not None:
-        to_end = to_end.masked_fill(expand(seq != seq[:, -1:]), _NEG_INF)
+    if not_last is not None:
+        to_end = to_end.masked_fill(expand(not_last), _NEG_INF)
     if per_channel:
         A, P = _per_channel_gram(q, k, gc, beta, seq)
         gain = torch.exp(gain_exp)  # [M, H, C, K]
         k_end = k * torch.exp(to_end)
         decay_last = gain[..., -1:, :].transpose(-1, -2)  # [M, H, K, 1]
     else:
-        A, P = _scalar_gram(q, k, gc, beta, None if seq is None else (seq[:, :, None] == seq[:, None, :])[:, None])
+        A, P = _scalar_gram(q, k, gc, beta, cut)
         gain = torch.exp(gain_exp)[..., None]  # [M, H, C, 1]
         k_end = k * torch.exp(to_end)[..., None]
         decay_last = gain[..., -1:, :]  # [M, H, 1, 1]
@@ -173,8 +203,7 @@ def _intra_chunk(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
     kg = k * gain
     # T = (I + A)^-1 once (C right-hand sides), then plain matmuls: on CPU a batched triangular solve against
     # the [C, K + V] right-hand side is ~10x slower than solving against I and multiplying.
-    eye = torch.eye(C, dtype=A.dtype, device=A.device)
-    T_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    T_inv = _UnitLowerInverse.apply(A)
     T_inv = T_inv * beta[..., None, :]  # fold beta into the right-hand sides' rows
     return P, T_inv @ v, T_inv @ kg, qg, decay_last, k_end
 
@@ -186,12 +215,13 @@ KDA_CHUNKS_PER_BLOCK = 16
 16 were 10-15% slower)."""
 
 
-def _intra_blocks(q, k, v, gc, beta, seq, cont, *, per_channel: bool):
-    """:func:`_intra_chunk` over all ``M`` chunks (KDA in blocks of :data:`KDA_CHUNKS_PER_BLOCK`)."""
+def _intra_blocks(q, k, v, gc, beta, masks, *, per_channel: bool):
+    """:func:`_intra_chunk` over all ``M`` chunks (KDA in blocks of :data:`KDA_CHUNKS_PER_BLOCK`); ``masks``:
+    its ``(seq, cut, fresh, not_last)`` (:func:`_row_masks`) or four None."""
     if not per_channel:
-        return _intra_chunk(q, k, v, gc, beta, seq, cont, per_channel=False)
+        return _intra_chunk(q, k, v, gc, beta, *masks, per_channel=False)
     n = KDA_CHUNKS_PER_BLOCK
-    parts = [t.split(n) if t is not None else [None] * (-(-q.shape[0] // n)) for t in (q, k, v, gc, beta, seq, cont)]
+    parts = [t.split(n) if t is not None else [None] * (-(-q.shape[0] // n)) for t in (q, k, v, gc, beta, *masks)]
     blocks = [_intra_chunk(*piece, per_channel=True) for piece in zip(*parts)]
     return tuple(torch.cat(part) for part in zip(*blocks))
 
@@ -200,7 +230,7 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
     """Core on packed chunks. ``q, k [M, H, C, K]`` (q scaled), ``v [M, H, C, V]``, ``gc`` in-chunk cumulative
     log decay ``[M, H, C]`` or ``[M, H, C, K]``, ``beta [M, H, C]``, ``h0 [N, H, K, V]`` in rank order.
     Returns ``o [M, H, C, V]`` and final states ``[N, H, K, V]`` in rank order."""
-    P, U, W, qg, decay_last, k_end = _intra_blocks(q, k, v, gc, beta, None, None, per_channel=per_channel)
+    P, U, W, qg, decay_last, k_end = _intra_blocks(q, k, v, gc, beta, (None,) * 4, per_channel=per_channel)
     Vd = v.shape[-1]
 
     def step(S, u, w, dl, ke):
@@ -287,11 +317,12 @@ def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.
 
 
 def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(seq [M, C], cont [M, C], same [M, 1, C, C])`` for rows cut into chunks of ``C``: every token's sample
-    (padding slots join the row's last sample), whether it continues the sample running before its chunk, and
-    the in-chunk causal same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes
-    the same tensor), so they are built once per forward, not once per layer."""
+               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """``((seq, cut, fresh, not_last), cont [M, C], same [M, 1, C, C])`` for rows cut into chunks of ``C``: the
+    boundary masks of :func:`_intra_chunk` (padding slots join the row's last sample), whether a token continues
+    the sample running before its chunk, and the in-chunk causal same-sample matrix in ``cdt``. Kept on
+    ``cu_seqlens`` (every layer of a forward passes the same tensor), so they are built once per forward, not
+    once per layer or call."""
     key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
     cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
     if key not in cache:
@@ -303,9 +334,10 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
         before[:, 0] = -1  # sample of the token before each chunk: none for a row's first chunk
         cont = seq == before.reshape(-1, 1)
         causal = torch.ones(C, C, dtype=torch.bool, device=seq.device).tril()
-        same = ((seq[:, :, None] == seq[:, None, :]) & causal).to(cdt)[:, None]
+        same_bool = (seq[:, :, None] == seq[:, None, :]) & causal
+        masks = (seq, ~same_bool[:, None], ~cont, seq != seq[:, -1:])
         cache.clear()
-        cache[key] = (seq, cont, same)
+        cache[key] = (masks, cont, same_bool.to(cdt)[:, None])
     return cache[key]
 
 
@@ -335,12 +367,14 @@ def _run_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     vc, bc, g_c = (_to_chunks(t, C, cdt) for t in (v, beta, g))
     if seq_idx is None:
         seq = cont = None
+        masks = (None,) * 4
         gc = g_c.cumsum(dim=2)
     else:
-        seq, cont, same = _row_masks(seq_idx, cu_seqlens, C, cdt)
+        masks, cont, same = _row_masks(seq_idx, cu_seqlens, C, cdt)
+        seq = masks[0]
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
         gc = same @ g_c if per_channel else (same @ g_c[..., None]).squeeze(-1)
-    P, U, W, qg, decay_last, k_end = _intra_blocks(qc, kc, vc, gc, bc, seq, cont, per_channel=per_channel)
+    P, U, W, qg, decay_last, k_end = _intra_blocks(qc, kc, vc, gc, bc, masks, per_channel=per_channel)
     per_sample_ends = output_final_state and cu_seqlens is not None
     o, S, kept = _row_states(qc.new_zeros(B, H, K, V), qg, P, U, W, decay_last, k_end, B, keep=per_sample_ends)
     final = S if output_final_state else None
@@ -383,6 +417,17 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
     options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                    per_channel=per_channel)
+    if seq_idx is None:  # one sample per row: no two samples share a chunk or a state
+        return _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options)
+    # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
+    quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g, beta)], initial_state)
+    q, k, v, g, beta = quarantine.clean()
+    o, final = _run_chunked(q, k, v, g, beta, seq_idx, quarantine.clean_state(initial_state), options)
+    return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
+
+
+def _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options):
+    """Rows cut into fixed chunks without initial states, else chunks aligned on sample starts."""
     if initial_state is None:
         return _run_rows(q, k, v, g, beta, seq_idx, **options)
     return _run_layout(q, k, v, g, beta, initial_state=initial_state, **options)

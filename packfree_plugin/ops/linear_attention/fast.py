@@ -25,6 +25,8 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 
 import torch
 
+from packfree_plugin.ops._nonfinite import Quarantine
+from packfree_plugin.ops._seq import resolve_seq_idx
 from packfree_plugin.ops._varlen import (
     chunk_layout,
     compute_dtype,
@@ -79,6 +81,21 @@ def chunk_linear_attention(
     offsets, (B, T, H, K, V) = _validate(q, k, v, g, g_gamma, initial_state, cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if cu_seqlens is None:  # one sample per row: no two samples share a chunk or a state
+        return _chunked(q, k, v, g, g_gamma, scale, initial_state, output_final_state, offsets, chunk_size)
+    # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
+    seq_idx = resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens, validate=False)
+    quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g)], initial_state)
+    q, k, v, g = quarantine.clean()
+    o, final = _chunked(q, k, v, g, g_gamma, scale, quarantine.clean_state(initial_state), output_final_state,
+                        offsets, chunk_size)
+    return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
+
+
+def _chunked(q, k, v, g, g_gamma, scale, initial_state, output_final_state, offsets, chunk_size):
+    """The chunked computation of :func:`chunk_linear_attention` (arguments checked, ``offsets`` on the host)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     cdt = compute_dtype(q.dtype)
     layout = chunk_layout(offsets, chunk_size, q.device)

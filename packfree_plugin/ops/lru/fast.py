@@ -19,6 +19,8 @@ from packfree_plugin.ops._boundary_doc import with_boundary_doc
 
 import torch
 
+from packfree_plugin.ops._nonfinite import Quarantine
+from packfree_plugin.ops._seq import resolve_seq_idx
 from packfree_plugin.ops._varlen import (
     check_floating,
     check_same_device,
@@ -115,6 +117,24 @@ def linear_recurrence(
     N = len(offsets) - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, D):
         raise ValueError(f"initial_state must have shape [N, D] = {[N, D]}, got {tuple(initial_state.shape)}")
+    if N == 1:
+        return _scan_samples(a, b, initial_state, output_final_state, offsets, chunk_size)
+    # one scan runs over all samples: a sample with a NaN/inf input or initial state computes on zeros and
+    # returns NaN (ops/_nonfinite.py)
+    if cu_seqlens is not None:
+        seq_idx = resolve_seq_idx(Bsz, T, a.device, cu_seqlens=cu_seqlens, validate=False)
+    else:
+        seq_idx = torch.arange(Bsz, dtype=torch.int32, device=a.device)[:, None].expand(Bsz, T)
+    quarantine = Quarantine(seq_idx, [(a, 1), (b, 1)], initial_state)
+    h, final = _scan_samples(*quarantine.clean(), quarantine.clean_state(initial_state),
+                             output_final_state, offsets, chunk_size)
+    return quarantine.mark(h), quarantine.mark_states(final, torch.tensor(offsets, device=a.device))
+
+
+def _scan_samples(a, b, initial_state, output_final_state, offsets, chunk_size):
+    """The blocked scan of :func:`linear_recurrence` (arguments checked, ``offsets`` on the host)."""
+    Bsz, T, D = a.shape
+    N = len(offsets) - 1
     cdt = compute_dtype(b.dtype)
     af = a.reshape(1, Bsz * T, D).to(cdt)
     bf = b.reshape(1, Bsz * T, D).to(cdt)
@@ -128,7 +148,7 @@ def linear_recurrence(
     if nonempty:  # reset: nothing flows into a sample's first token (its initial state is already in b)
         keep = torch.ones(Bsz * T, dtype=cdt, device=a.device).index_fill(0, starts, 0.0)
         af = af * keep[None, :, None]
-    h = _blocked_scan(af, bf, chunk_size)[0]
+    h = _blocked_scan(af, bf, chunk_size)[0] if Bsz * T else bf[0]  # no tokens: nothing to scan
     final = None
     if output_final_state:
         final = h.new_zeros(N, D) if initial_state is None else initial_state.to(cdt).clone()

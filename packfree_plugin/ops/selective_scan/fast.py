@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._nonfinite import Quarantine
+
 
 _BLOCK_BYTES = 1 << 21
 _SPARSE_ON_CPU = True  # tests set False to run the masked path (what other devices use) on CPU
@@ -209,6 +211,10 @@ def selective_scan_chunked(
 
     Computes in float32 for half-precision inputs; returns u's dtype.
     """
+    quarantine = None
+    if seq_idx is not None:  # a sample with a NaN/inf input computes on zeros and returns NaN (ops/_nonfinite.py)
+        quarantine = Quarantine(seq_idx, [(u, 2), (delta, 2), (B, B.dim() - 1), (C, C.dim() - 1), (z, 2)])
+        u, delta, B, C, z = quarantine.clean()
     out_dtype = u.dtype
     cdt = torch.float32 if u.dtype in (torch.float16, torch.bfloat16) else u.dtype
     u, delta, A, B, C = (t.to(cdt) for t in (u, delta, A, B, C))
@@ -252,4 +258,6 @@ def selective_scan_chunked(
         y = y + u * D.to(cdt)[:, None]
     if z is not None:
         y = y * F.silu(z.to(cdt))
+    if quarantine is not None:
+        y = quarantine.mark(y, 2)
     return y.to(out_dtype)

@@ -7,31 +7,62 @@ exactly zero (``exp(-inf)``) everywhere it appears: between two tokens inside a 
 to its chunk's end state, and from one chunk end to the next. A boundary in the middle of a chunk
 needs no special case, and the dense work is that of the unsplit row. Every decay exponent is a sum
 of the ``dt A`` it spans (no difference of cumulative sums), so fp32 keeps stock's precision.
-Chunks run in cache-sized groups (``_GROUP_TOKENS``) with the state carried between groups, so the
+Chunks run in cache-sized groups (``_GROUP_BYTES``) with the state carried between groups, so the
 working set does not grow with T.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._nonfinite import Quarantine
 from .naive import process_dt
 
 _NEG_INF = float("-inf")
 
 
-_GROUP_TOKENS = 128
+_GROUP_BYTES = 1 << 20
+"""Size of a group's ``[b, h, k, l, l]`` decay tensor: 1 chunk at a time at Mamba2's widths (chunk 256: 8 MiB
+per chunk at 32 heads), all of a short row at once at tiny widths (each group costs a few dozen small ops)."""
 
 
-def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, seq: Tensor | None, A: Tensor,
-                 S: Tensor, prev_end: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """k consecutive chunks: ``xh [b,g,r,k,l,p]``, ``dth [b,g,r,k,l]``, ``Bh/Ch [b,g,1,k,l,n]``,
-    ``seq [b,k,l]``; ``S [b,g,r,p,n]`` is the state entering the group and ``prev_end [b,1]`` the
-    sample of the token before it. Returns the group's output, its end state and last sample."""
+@functools.lru_cache(maxsize=16)
+def _triangles(L: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(above_or_on [L, L], above [L, L])`` bool: pairs outside the strict and the inclusive lower triangle."""
+    ones = torch.ones(L, L, dtype=torch.bool, device=device)
+    return ~ones.tril(-1), ~ones.tril()
+
+
+def _boundary_masks(seq_idx: Tensor, seq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """For the chunked ``seq [b, c, l]`` (sample of every token): ``cut [b, 1, 1, c, l, l]`` bool, pairs that are
+    not (same sample, s <= t), and ``cont [b, 1, 1, c, l]`` in ``dtype``, 1 where a token continues the sample of
+    the token before its chunk. Built once per ``seq_idx`` tensor and chunk size: every layer of a forward
+    passes the same one."""
+    L = seq.shape[-1]
+    key = (tuple(seq.shape), dtype, seq_idx._version)
+    cache = seq_idx.__dict__.setdefault("_packfree_ssd_masks", {})
+    if key not in cache:
+        cache.clear()
+        above = _triangles(L, seq.device)[1]
+        cut = ((seq[..., :, None] != seq[..., None, :]) | above)[:, None, None]
+        end = seq[..., -1]  # [b, c]
+        before = torch.cat([torch.full_like(end[:, :1], -1), end[:, :-1]], dim=1)  # the token before each chunk's
+        cont = (seq == before[..., None])[:, None, None].to(dtype)
+        cache[key] = (cut, cont)
+    return cache[key]
+
+
+def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, cut: Tensor, cont: Tensor | None, A: Tensor,
+                 S: Tensor) -> tuple[Tensor, Tensor]:
+    """k consecutive chunks: ``xh [b,g,r,k,l,p]``, ``dth [b,g,r,k,l]``, ``Bh/Ch [b,g,1,k,l,n]``; ``cut``: pairs
+    of tokens with no decay between them (``[l, l]``, or ``[b,1,1,k,l,l]`` across samples too), ``cont
+    [b,1,1,k,l]``: 1 where a token continues the sample of the token before its chunk (None: all do);
+    ``S [b,g,r,p,n]`` is the state entering the group. Returns the group's output and its end state."""
     L = xh.shape[4]
     dA = dth * A  # [b, g, r, k, l]
     xdt = xh * dth[..., None]  # dt_s x_s
@@ -40,12 +71,8 @@ def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, seq: Tensor | 
     #    seg[t, s] = sum_{s<j<=t} dA_j summed pair by pair (as transformers' segment_sum does), never
     #    as cumsum_t - cumsum_s: that difference of two large sums loses up to |cumsum| * eps of every
     #    decay, 20x fp32 stock's error at Mamba2 sizes.
-    strict = torch.ones(L, L, dtype=torch.bool, device=xh.device).tril(-1)
-    pair_ok = torch.ones(L, L, dtype=torch.bool, device=xh.device).tril()
-    if seq is not None:
-        pair_ok = ((seq[..., :, None] == seq[..., None, :]) & pair_ok)[:, None, None]  # [b,1,1,k,l,s]
-    seg = dA[..., :, None].expand(*dA.shape, L).masked_fill(~strict, 0.0).cumsum(-2)
-    decay = seg.masked_fill_(~pair_ok, _NEG_INF).exp_()  # [b, g, r, k, l, s]; 0 across samples
+    seg = dA[..., :, None].expand(*dA.shape, L).masked_fill(_triangles(L, xh.device)[0], 0.0).cumsum(-2)
+    decay = seg.masked_fill_(cut, _NEG_INF).exp_()  # [b, g, r, k, l, s]; 0 across samples
     y = ((Ch @ Bh.transpose(-1, -2)) * decay) @ xdt  # [b, g, r, k, l, p]
 
     # 2. each chunk's end state from its own tokens: decay to the chunk's last token (its row of
@@ -55,11 +82,8 @@ def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, seq: Tensor | 
     # 3. decay from the chunk start to every token: exp(dA_0) * decay[t, 0], cut (exact 0) where
     #    token t does not continue the sample of the token before the chunk.
     into = decay[..., :, 0] * torch.exp(dA[..., :1])  # [b, g, r, k, l]
-    end = None
-    if seq is not None:
-        end = seq[..., -1]  # [b, k]
-        before = torch.cat([prev_end, end[:, :-1]], dim=1)  # sample of the token before each chunk
-        into = into * (seq[..., :1] == before[..., None])[:, None, None].to(into.dtype)
+    if cont is not None:
+        into = into * cont
     carry = into[..., -1]  # [b, g, r, k]: S_c = carry_c S_{c-1} + states_c
     entering = []
     # unbind, not indexing: its backward stacks once instead of scattering into k zero tensors
@@ -70,7 +94,7 @@ def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, seq: Tensor | 
 
     # 4. the carried-in state read at every token of the chunk
     y = y + (Ch @ S_in.transpose(-1, -2)) * into[..., None]
-    return y, S, (end[:, -1:] if end is not None else None)
+    return y, S
 
 
 def ssd_chunked(
@@ -92,6 +116,10 @@ def ssd_chunked(
 
     Computes in float32 for half-precision inputs; returns x's dtype.
     """
+    quarantine = None
+    if seq_idx is not None:  # a sample with a NaN/inf input computes on zeros and returns NaN (ops/_nonfinite.py)
+        quarantine = Quarantine(seq_idx, [(x, 1), (dt, 1), (B, 1), (C, 1), (z, 1)])
+        x, dt, B, C, z = quarantine.clean()
     out_dtype = x.dtype
     cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x, dt, A, B, C = (t.to(cdt) for t in (x, dt, A, B, C))
@@ -101,6 +129,8 @@ def ssd_chunked(
     L = chunk_size
     nc = -(-T // L)
     pad = nc * L - T
+    if nc == 0:  # no tokens
+        return x.new_zeros(x.shape, dtype=out_dtype)
 
     dt = process_dt(dt, None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     xs, Bs, Cs = x, B, C
@@ -109,11 +139,15 @@ def ssd_chunked(
         dt = F.pad(dt, (0, 0, 0, pad))
         Bs = F.pad(B, (0, 0, 0, 0, 0, pad))
         Cs = F.pad(C, (0, 0, 0, 0, 0, pad))
-    seq = None
+    k = max(1, _GROUP_BYTES // (Bsz * H * L * L * x.element_size()))  # chunks per group
+    groups = -(-nc // k)
     if seq_idx is not None:
         # padded tokens join the last sample (integer replicate-padding is not on every device)
         seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
-        seq = seq.view(Bsz, nc, L)
+        cut, cont = _boundary_masks(seq_idx, seq.view(Bsz, nc, L), cdt)
+        cuts, conts = cut.split(k, dim=3), cont.split(k, dim=3)
+    else:
+        cuts, conts = [_triangles(L, x.device)[1]] * groups, [None] * groups
 
     # head-major layout [b, g, r, c, l, *] (H = G * R heads, head h reads group h // R): one copy of
     # x in, one copy of y out, and every matmul below runs on contiguous operands.
@@ -121,17 +155,14 @@ def ssd_chunked(
     dth = dt.view(Bsz, nc * L, G, R).permute(0, 2, 3, 1).reshape(Bsz, G, R, nc, L)
     Bh = Bs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
     Ch = Cs.transpose(1, 2).reshape(Bsz, G, 1, nc, L, N)
-    # Chunks are processed in groups of about _GROUP_TOKENS tokens, the state carried from group to
+    # Chunks are processed in groups of about _GROUP_BYTES, the state carried from group to
     # group: a group's [L, L] decay and score tensors stay in cache through all their passes (and
     # again in the backward). split, not slicing in a loop: the backward concatenates once.
-    k = max(1, _GROUP_TOKENS // L)
-    seq_groups = seq.split(k, dim=1) if seq is not None else [None] * (-(-nc // k))
     S = xh.new_zeros(Bsz, G, R, P, N)
-    prev_end = torch.full((Bsz, 1), -1, dtype=torch.int32, device=x.device) if seq is not None else None
     ys = []
-    for xg, dtg, Bg, Cg, sg in zip(xh.split(k, 3), dth.split(k, 3), Bh.split(k, 3), Ch.split(k, 3),
-                                   seq_groups):
-        y_g, S, prev_end = _chunk_group(xg, dtg, Bg, Cg, sg, A.view(G, R, 1, 1), S, prev_end)
+    for xg, dtg, Bg, Cg, cut_g, cont_g in zip(xh.split(k, 3), dth.split(k, 3), Bh.split(k, 3), Ch.split(k, 3),
+                                            cuts, conts):
+        y_g, S = _chunk_group(xg, dtg, Bg, Cg, cut_g, cont_g, A.view(G, R, 1, 1), S)
         ys.append(y_g)
     y = torch.cat(ys, dim=3)  # [b, g, r, c, l, p]
 
@@ -140,4 +171,6 @@ def ssd_chunked(
         y = y + x * (D.to(cdt)[:, None] if D.dim() == 1 else D.to(cdt))
     if z is not None:
         y = y * F.silu(z.to(cdt))
+    if quarantine is not None:
+        y = quarantine.mark(y)
     return y.to(out_dtype)
