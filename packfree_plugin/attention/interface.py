@@ -229,17 +229,39 @@ def packfree_attention_mask(
     use_vmap: bool = False,
     **kwargs,
 ) -> Boundaries | torch.Tensor | None:
-    """transformers' mask-function contract. Returns this forward's boundaries when there are any."""
+    """transformers' mask-function contract. Returns this forward's boundaries when there are any. A mask with
+    an overlay of the model's own (``use_vmap``: or/and mask functions; or an ``or_masks`` union such as Gemma3's
+    bidirectional image blocks) is built by stock ``sdpa_mask`` for an unpacked batch and refused for a packed one;
+    while compiling (closures cannot be traced, so a union cannot be seen) every ``use_vmap`` overlay is refused."""
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
-        if not use_vmap:
+        compiling = torch.compiler.is_compiling()
+        if not (use_vmap or (not compiling and _has_union(mask_function))):
             return boundaries
-        raise ValueError(
-            "this model overlays a custom pattern on its attention mask (or_mask_function / and_mask_function, "
-            "e.g. bidirectional image tokens); packfree cannot yet combine it with packed boundaries. Pass one "
-            "sample per row, or use attn_implementation='sdpa' for this model"
-        )
+        if boundaries.is_packed or compiling:
+            model_type = getattr(kwargs.get("config"), "model_type", "this model")
+            raise ValueError(
+                f"{model_type!r} overlays a pattern of its own on the causal mask (or_mask_function / "
+                "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens); packfree cannot "
+                f"yet keep it inside each {'compiled' if compiling else 'packed'} sample. Pass one sample per row"
+                f"{' without torch.compile' if compiling else ''}, or use attn_implementation='sdpa' for this model"
+            )
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,
     )
+
+
+def _has_union(mask_function: Callable | None) -> bool:
+    """Whether transformers' ``or_masks`` composed ``mask_function`` (an overlay that widens causal attention,
+    such as ``block_sequence_ids``, which transformers passes without ``use_vmap``), found through closures."""
+    pending = [mask_function]
+    while pending:
+        function = pending.pop()
+        if getattr(function, "__qualname__", "").startswith("or_masks."):
+            return True
+        for cell in getattr(function, "__closure__", None) or ():
+            contents = cell.cell_contents
+            pending.extend(item for item in (contents if isinstance(contents, tuple) else (contents,))
+                           if callable(item))
+    return False
