@@ -164,3 +164,25 @@ def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type:
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=total, max_length_k=total)
     with torch.no_grad(), pytest.raises(ValueError, match=r"packed batch .* without position_ids together with images"):
         model(**inputs)
+
+
+@pytest.mark.parametrize(("model_type", "rope"), [
+    ("qwen2_vl", {"mrope_section": [16, 24, 24]}),
+    ("qwen2_5_vl", {"mrope_section": [16, 24, 24]}),
+    ("glm4v", {"mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}),
+])
+def test_gate_proves_checkpoint_mrope_configs(model_type: str, rope: dict) -> None:
+    """A checkpoint's config (its mrope_section fits 128-wide heads) loads: the gate's tiny copy scales the
+    sections to its own heads (it could not be built before, so loading was refused) and is proved exact."""
+    import transformers
+
+    from packfree_plugin.gate.admission import bypassed
+    from packfree_plugin.gate.proof import build_pair, prove
+    from packfree_plugin.gate.shrink import shrink_config
+
+    cls = getattr(transformers, CASES[model_type].class_name)
+    config = cls.config_class(text_config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, **rope}})
+    with bypassed():
+        packed, stock, implementation = build_pair(cls, shrink_config(config))
+        proof = prove(packed, stock, stock_name=implementation)
+    assert proof.exact, proof.summary()
