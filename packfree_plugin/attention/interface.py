@@ -232,19 +232,20 @@ def packfree_attention_mask(
     """transformers' mask-function contract. Returns this forward's boundaries when there are any. A mask with
     an overlay of the model's own (``use_vmap``: or/and mask functions; or an ``or_masks`` union such as Gemma3's
     bidirectional image blocks) is built by stock ``sdpa_mask`` for an unpacked batch and refused for a packed one;
-    while compiling (closures cannot be traced, so a union cannot be seen) every ``use_vmap`` overlay is refused."""
+    while compiling (closures cannot be traced, so only a union at the top is seen) every overlay is refused."""
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         compiling = torch.compiler.is_compiling()
-        if not (use_vmap or (not compiling and _has_union(mask_function))):
+        if not (use_vmap or _has_union(mask_function, look_inside=not compiling)):
             return boundaries
         if boundaries.is_packed or compiling:
             model_type = getattr(kwargs.get("config"), "model_type", "this model")
             raise ValueError(
                 f"{model_type!r} overlays a pattern of its own on the causal mask (or_mask_function / "
                 "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens); packfree cannot "
-                f"yet keep it inside each {'compiled' if compiling else 'packed'} sample. Pass one sample per row"
-                f"{' without torch.compile' if compiling else ''}, or use attn_implementation='sdpa' for this model"
+                f"yet keep it inside each packed sample{', nor see all of it while compiling' if compiling else ''}. "
+                f"Pass one sample per row{' without torch.compile' if compiling else ''}, or use "
+                "attn_implementation='sdpa' for this model"
             )
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
@@ -252,14 +253,17 @@ def packfree_attention_mask(
     )
 
 
-def _has_union(mask_function: Callable | None) -> bool:
+def _has_union(mask_function: Callable | None, *, look_inside: bool) -> bool:
     """Whether transformers' ``or_masks`` composed ``mask_function`` (an overlay that widens causal attention,
-    such as ``block_sequence_ids``, which transformers passes without ``use_vmap``), found through closures."""
+    such as ``block_sequence_ids``, which transformers passes without ``use_vmap``): at the top, and with
+    ``look_inside`` anywhere in its closures (which torch.compile cannot trace)."""
     pending = [mask_function]
     while pending:
         function = pending.pop()
-        if getattr(function, "__qualname__", "").startswith("or_masks."):
+        if getattr(function, "__name__", "") == "or_mask":  # or_masks' inner function (Dynamo hides __qualname__)
             return True
+        if not look_inside:
+            return False
         for cell in getattr(function, "__closure__", None) or ():
             contents = cell.cell_contents
             pending.extend(item for item in (contents if isinstance(contents, tuple) else (contents,))

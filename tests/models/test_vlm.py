@@ -186,3 +186,22 @@ def test_gate_proves_checkpoint_mrope_configs(model_type: str, rope: dict) -> No
         packed, stock, implementation = build_pair(cls, shrink_config(config))
         proof = prove(packed, stock, stock_name=implementation)
     assert proof.exact, proof.summary()
+
+
+def test_compiled_gemma3_with_an_image_block_is_never_silently_wrong() -> None:
+    """Under torch.compile packfree sees the image block's union at the top of the mask function only: an
+    unpacked call must still equal stock (or be refused), never drop the block (it gave 0.21 off before)."""
+    case = CASES["gemma3"]
+    model, stock = _pair("gemma3")
+    sample = case.sample([5, 6], [case.sizes[0]], [7, 8, 9], seed=1)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend="eager")(**sample, use_cache=False).logits
+            expected = stock(**sample, use_cache=False).logits
+    except ValueError as refusal:
+        assert "overlays a pattern of its own" in str(refusal)
+    else:
+        assert_close(compiled, expected, atol=EXACT, rtol=0, what="compiled gemma3")
+    finally:
+        torch._dynamo.reset()
