@@ -236,7 +236,7 @@ def packfree_attention_mask(
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         compiling = torch.compiler.is_compiling()
-        if not (use_vmap or _has_union(mask_function, look_inside=not compiling)):
+        if not (use_vmap or _widens(mask_function, look_inside=not compiling)):
             return boundaries
         if boundaries.is_packed or compiling:
             model_type = getattr(kwargs.get("config"), "model_type", "this model")
@@ -253,19 +253,31 @@ def packfree_attention_mask(
     )
 
 
-def _has_union(mask_function: Callable | None, *, look_inside: bool) -> bool:
-    """Whether transformers' ``or_masks`` composed ``mask_function`` (an overlay that widens causal attention,
-    such as ``block_sequence_ids``, which transformers passes without ``use_vmap``): at the top, and with
-    ``look_inside`` anywhere in its closures (which torch.compile cannot trace)."""
-    pending = [mask_function]
-    while pending:
-        function = pending.pop()
-        if getattr(function, "__name__", "") == "or_mask":  # or_masks' inner function (Dynamo hides __qualname__)
-            return True
-        if not look_inside:
-            return False
-        for cell in getattr(function, "__closure__", None) or ():
-            contents = cell.cell_contents
-            pending.extend(item for item in (contents if isinstance(contents, tuple) else (contents,))
-                           if callable(item))
-    return False
+def _widens(mask_function: Callable | None, *, look_inside: bool) -> bool:
+    """Whether transformers' ``or_masks`` composed ``mask_function`` with something that widens causal attention,
+    such as ``block_sequence_ids`` (which transformers passes without ``use_vmap``). Inside its closures (not
+    traceable by torch.compile, so only with ``look_inside``) a block overlay without any block (all ids -1, as
+    Gemma 4 builds for text) adds nothing; without ``look_inside`` any union at the top counts."""
+    if getattr(mask_function, "__name__", "") != "or_mask":  # or_masks' inner function (Dynamo hides __qualname__)
+        return look_inside and any(_widens(part, look_inside=True) for part in _closure_functions(mask_function))
+    if not look_inside:
+        return True
+    base, *added = _closure_functions(mask_function)
+    return _widens(base, look_inside=True) or not all(map(_adds_no_block, added))
+
+
+def _closure_functions(function: Callable | None) -> list[Callable]:
+    """The functions a mask function closes over (``or_masks``/``and_masks`` hold theirs in a tuple), in order."""
+    found: list[Callable] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        contents = cell.cell_contents
+        found += [item for item in (contents if isinstance(contents, tuple) else (contents,)) if callable(item)]
+    return found
+
+
+def _adds_no_block(function: Callable) -> bool:
+    """Whether ``function`` is transformers' ``blockwise_overlay`` over ids that are all -1 (no block at all)."""
+    if not getattr(function, "__qualname__", "").startswith("blockwise_overlay."):
+        return False
+    ids = [cell.cell_contents for cell in function.__closure__ or () if isinstance(cell.cell_contents, torch.Tensor)]
+    return len(ids) == 1 and bool((ids[0] < 0).all())
