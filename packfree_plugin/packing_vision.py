@@ -91,7 +91,7 @@ class VisionPackedCollator:
             images_per_row = getattr(config, "model_type", None) in _IMAGES_PER_ROW
         self.images_per_row = images_per_row
         self.pad_token_id = int(pad_token_id)
-        self.text = PackedCollator(rows_per_batch, max_tokens, pad_token_id, label_pad, return_seq_idx=False,
+        self._text = PackedCollator(rows_per_batch, max_tokens, pad_token_id, label_pad, return_seq_idx=False,
                                    return_flash_attn_kwargs=False)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -99,7 +99,7 @@ class VisionPackedCollator:
             raise ValueError(f"features must be a non-empty list of mappings, got {type(features).__name__}")
         samples = [self._sample(i, feature) for i, feature in enumerate(features)]
         samples = [sample for sample in samples if len(sample["input_ids"])]  # as PackedCollator drops them
-        batch = self.text([{key: sample[key] for key in _TEXT_KEYS if key in sample} for sample in samples])
+        batch = self._text([{key: sample[key] for key in _TEXT_KEYS if key in sample} for sample in samples])
         rows = self._rows(samples)
         row_len = batch["input_ids"].shape[1]
         for key in _TOKEN_KEYS:
@@ -133,10 +133,10 @@ class VisionPackedCollator:
     def _rows(self, samples: list[dict[str, Any]]) -> list[list[int]]:
         """Sample indices of each row, as :class:`PackedCollator` lays them out."""
         lengths = [len(sample["input_ids"]) for sample in samples]
-        if self.text.rows_per_batch == 1:
+        if self._text.rows_per_batch == 1:
             return [list(range(len(samples)))]
-        bins = pack_best_fit_decreasing(lengths, self.text.max_tokens)
-        return [sorted(members) for members in bins] + [[] for _ in range(self.text.rows_per_batch - len(bins))]
+        bins = pack_best_fit_decreasing(lengths, self._text.max_tokens)
+        return [sorted(members) for members in bins] + [[] for _ in range(self._text.rows_per_batch - len(bins))]
 
     def _per_token(self, rows: list[list[int]], samples: list[dict[str, Any]], key: str, row_len: int) -> torch.Tensor:
         """``[B, T]`` of a per-token field (0 where a sample lacks it, and on padding)."""
@@ -156,14 +156,13 @@ class VisionPackedCollator:
         for row in rows:
             pieces = [self._sample_positions(samples[i]) for i in row]
             used = sum(piece.shape[-1] for piece in pieces)
-            planes = pieces[0].shape[0] if pieces else 3
-            pieces.append(torch.arange(row_len - used).expand(planes, -1))
-            if len({piece.shape[0] for piece in pieces}) != 1:
-                raise ValueError("get_rope_index returned different numbers of position planes for samples of one batch")
-            per_row.append(torch.cat(pieces, dim=-1))
-        if len({row.shape[0] for row in per_row}) != 1:
-            raise ValueError("get_rope_index returned different numbers of position planes for rows of one batch")
-        return torch.stack(per_row, dim=1)
+            per_row.append(pieces + [torch.arange(row_len - used)])
+        planes = {piece.shape[0] for pieces in per_row for piece in pieces if piece.ndim == 2} or {3}
+        if len(planes) != 1:
+            raise ValueError(f"get_rope_index returned {sorted(planes)} position planes for samples of one batch")
+        (count,) = planes
+        return torch.stack([torch.cat([piece.expand(count, -1) for piece in pieces], dim=-1) for pieces in per_row],
+                           dim=1)
 
     def _sample_positions(self, sample: dict[str, Any]) -> torch.Tensor:
         """``[R, T]`` multimodal positions of one sample, numbered as the model numbers it alone."""
@@ -186,6 +185,9 @@ class VisionPackedCollator:
             if not self.images_per_row:
                 images[key] = torch.cat(parts)
                 continue
+            if any(part.shape[0] != 1 for part in parts):
+                raise ValueError(f"{key} must be [1, images, ...] per sample for this model (as its processor returns "
+                                 f"it), got {[list(part.shape) for part in parts]}")
             per_row = [torch.cat([torch.as_tensor(samples[i][key])[0] for i in row if key in samples[i]] or
                                  [parts[0][0, :0]]) for row in rows]
             most = max(part.shape[0] for part in per_row)
