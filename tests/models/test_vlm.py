@@ -87,7 +87,7 @@ def test_padded_batch_with_images_equals_stock(model_type: str, side: str) -> No
     assert_close(ours[kept], theirs[kept], atol=EXACT, rtol=0, what=f"{model_type} {side}-padded")
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("model_type", CASES)
 def test_generate_with_an_image_equals_stock(model_type: str) -> None:
     """Greedy generation from a prompt with an image: same tokens and scores (MRoPE's rope deltas; Gemma3's
     image block in the prefill)."""
