@@ -60,7 +60,7 @@ def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int) 
     """Collator output through the model: logits, the model's loss and every gradient (vision tower included)
     equal each sample alone on stock sdpa. Two rows: the samples spread over both, padded, images row after row."""
     case = CASES[model_type]
-    model, stock = case.build("packfree").train(), case.build(case.stock).train()
+    model, stock = case.build("packfree").train(), case.build("sdpa").train()
     stock.load_state_dict(model.state_dict())
     samples = _samples(case)
     total = sum(sample["input_ids"].shape[1] for sample in samples)

@@ -21,7 +21,7 @@ EXACT = 1e-12
 def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(packfree model, stock model)`` with the same weights (built once per module: the tests only run them)."""
     case = CASES[model_type]
-    model, stock = case.build("packfree"), case.build(case.stock)
+    model, stock = case.build("packfree"), case.build("sdpa")
     stock.load_state_dict(model.state_dict())
     return model, stock
 
@@ -44,7 +44,7 @@ def _padded(case: VLMCase, samples: list[dict[str, torch.Tensor]], side: str) ->
                 pad = value.new_zeros(1, length - tokens)
                 value = torch.cat([value, pad] if side == "right" else [pad, value], dim=1)
             batch.setdefault(key, []).append(value)
-    if case.model_type in ("idefics3", "smolvlm"):  # [1, images, ...] per sample: pad with all-zero images
+    if case.images_per_row:  # [1, images, ...] per sample: pad with all-zero images
         for key in ("pixel_values", "pixel_attention_mask"):
             most = max(value.shape[1] for value in batch[key])
             batch[key] = [torch.cat([v, v.new_zeros(1, most - v.shape[1], *v.shape[2:])], dim=1) for v in batch[key]]

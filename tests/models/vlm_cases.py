@@ -5,7 +5,7 @@ the number of placeholder tokens the model expects for it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,8 +76,10 @@ class VLMCase:
     """Tokens the processor puts before each image's placeholders (vision start, begin-of-image)."""
     token_type_key: str | None = None
     """Name of the per-token image marker the model takes (1 on image tokens), if any."""
-    stock: str = "sdpa"
-    mrope: bool = field(default=False)
+    mrope: bool = False
+    """Multimodal RoPE: positions from each sample's own ``get_rope_index``."""
+    images_per_row: bool = False
+    """Image tensors are ``[B, images, ...]`` (one entry per row), not ``[images, ...]``."""
 
     def build(self, implementation: str) -> torch.nn.Module:
         """The tiny model in float64, eval mode, same weights for every implementation (seeded)."""
@@ -103,8 +105,7 @@ class VLMCase:
         if self.token_type_key:
             sample[self.token_type_key] = (row == self.image_token).long()
         for key in images[0].inputs if images else ():
-            dim = 1 if self.model_type in ("idefics3", "smolvlm") else 0
-            sample[key] = torch.cat([image.inputs[key] for image in images], dim=dim)
+            sample[key] = torch.cat([image.inputs[key] for image in images], dim=1 if self.images_per_row else 0)
         return sample
 
 
@@ -151,11 +152,11 @@ CASES: dict[str, VLMCase] = {case.model_type: case for case in (
     VLMCase("idefics3", "Idefics3ForConditionalGeneration",
             dict(text_config={"model_type": "llama", **_TEXT}, vision_config=_SIGLIP, scale_factor=2,
                  image_token_id=250, pad_token_id=0),
-            250, _idefics_image, ((1, 0), (2, 0))),
+            250, _idefics_image, ((1, 0), (2, 0)), images_per_row=True),
     VLMCase("smolvlm", "SmolVLMForConditionalGeneration",
             dict(text_config={"model_type": "llama", **_TEXT}, vision_config=_SIGLIP, scale_factor=2,
                  image_token_id=250, pad_token_id=0),
-            250, _idefics_image, ((1, 0), (2, 0))),
+            250, _idefics_image, ((1, 0), (2, 0)), images_per_row=True),
     VLMCase("internvl", "InternVLForConditionalGeneration",
             dict(text_config={"model_type": "qwen2", **_TEXT},
                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
