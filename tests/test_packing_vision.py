@@ -54,14 +54,18 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("model_type", "rows"), [("qwen2_vl", 1), ("qwen2_vl", 2), ("llava", 1), ("llava", 2),
-                                                  ("idefics3", 2)])
-def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int) -> None:
+@pytest.mark.parametrize(("model_type", "rows", "checkpointing"), [
+    ("qwen2_vl", 1, False), ("qwen2_vl", 2, True), ("llava", 1, True), ("llava", 2, False), ("idefics3", 2, False),
+], ids=["qwen2_vl-1row", "qwen2_vl-2rows-checkpointing", "llava-1row-checkpointing", "llava-2rows", "idefics3-2rows"])
+def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int, checkpointing: bool) -> None:
     """Collator output through the model: logits, the model's loss and every gradient (vision tower included)
-    equal each sample alone on stock sdpa. Two rows: the samples spread over both, padded, images row after row."""
+    equal each sample alone on stock sdpa. Two rows: the samples spread over both, padded, images row after row.
+    Gradient checkpointing (non-reentrant) recomputes the vision tower's layers in backward, outside the forward."""
     case = CASES[model_type]
     model, stock = case.build("packfree").train(), case.build("sdpa").train()
     stock.load_state_dict(model.state_dict())
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     samples = _samples(case)
     total = sum(sample["input_ids"].shape[1] for sample in samples)
     collator = VisionPackedCollator(model, rows_per_batch=rows, max_tokens=total // 2 + 4 if rows > 1 else None)

@@ -182,7 +182,10 @@ def packfree_attention_forward(
             "outside transformers' mask interface) inside a packed forward; packfree cannot keep that attention "
             "inside each sample. Pass one sample per row for this model"
         )
-    if not in_prepared_forward():
+    # Backward's recomputation of a checkpointed layer runs outside the model's forward: a vision tower's layer
+    # (no boundaries: its forward took this same path) recomputes as it ran. (The engine's graph task id is -1
+    # outside backward.)
+    if not in_prepared_forward() and torch._C._current_graph_task_id() == -1:
         raise ValueError(
             f"{type(module).__name__} runs packfree attention in a model packfree has not prepared (for example one "
             "switched with set_attn_implementation('packfree') after loading), so nothing reads its batch's "
