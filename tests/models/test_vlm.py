@@ -205,3 +205,22 @@ def test_compiled_gemma3_with_an_image_block_is_never_silently_wrong() -> None:
         assert_close(compiled, expected, atol=EXACT, rtol=0, what="compiled gemma3")
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", [name for name in CASES if name not in MROPE])
+def test_flattening_collator_kwargs_with_images_equal_each_sample_alone(model_type: str) -> None:
+    """DataCollatorWithFlattening's cu_seq_lens (no position_ids) on a model with ordinary RoPE: packfree numbers
+    each sample from 0, and every sample equals itself alone."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _without_image_blocks(case, _samples(case))
+    inputs = {key: value for key, value in VisionPackedCollator(model)(samples).items()
+              if key not in ("labels", "position_ids")}
+    lengths = torch.tensor([sample["input_ids"].shape[1] for sample in samples])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    longest = int(lengths.max())
+    with torch.no_grad():
+        packed = model(**inputs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                       max_length_k=longest).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with cu_seq_lens")
