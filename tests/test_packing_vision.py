@@ -92,14 +92,15 @@ def _row_order(batch: dict[str, torch.Tensor], samples: list[dict[str, torch.Ten
     """Indices into the concatenated per-sample tokens, in the order the batch's real tokens lie (row-major):
     found by matching each row's runs of ids to the samples (the test samples' ids are distinct)."""
     starts, offset = {}, 0
-    for i, sample in enumerate(samples):
+    for sample in samples:
         starts[int(sample["input_ids"][0, 0])] = (offset, sample["input_ids"].shape[1])
         offset += sample["input_ids"].shape[1]
     order: list[int] = []
     labels = batch["labels"]
+    real = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     for r in range(batch["input_ids"].shape[0]):
         t = 0
-        while t < batch["input_ids"].shape[1] and (batch.get("attention_mask") is None or batch["attention_mask"][r, t]):
+        while t < batch["input_ids"].shape[1] and real[r, t]:
             assert labels[r, t] == -100, "a sample's first token must have label -100"
             start, length = starts[int(batch["input_ids"][r, t])]
             order += range(start, start + length)

@@ -181,7 +181,9 @@ def _fit_mrope_sections(values: dict[str, Any]) -> None:
     rope = values.get("rope_parameters") or values.get("rope_scaling")
     sections = rope.get("mrope_section") if isinstance(rope, dict) else None
     heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
-    head_dim = values.get("head_dim") or (hidden // heads if isinstance(heads, int) and isinstance(hidden, int) else None)
+    head_dim = values.get("head_dim")
+    if head_dim is None and isinstance(heads, int) and isinstance(hidden, int):
+        head_dim = hidden // heads
     if not isinstance(sections, list) or not isinstance(head_dim, int) or not sum(sections):
         return
     half = int(head_dim * rope.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2

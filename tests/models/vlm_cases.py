@@ -131,7 +131,8 @@ CASES: dict[str, VLMCase] = {case.model_type: case for case in (
                  image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
             250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
     VLMCase("glm4v", "Glm4vForConditionalGeneration",
-            dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}},
+            dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_section": [1, 1, 2],  # half of 16 * 0.5
+                                                           "partial_rotary_factor": 0.5}},
                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                     image_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
                  image_token_id=250, video_token_id=251, image_start_token_id=252, image_end_token_id=253,
