@@ -12,7 +12,9 @@ rows the model reads as separate samples:
 - positions: on a multimodal-RoPE model (Qwen2/2.5/3-VL, GLM-4V) each sample's own ``get_rope_index``,
   concatenated along T (``[3, B, T]``), so image tokens keep their (t, h, w) positions; otherwise ``[B, T]`` ids
   restarting at 0 in every sample. Either way packfree reads the boundaries from them (a padding span is a
-  segment of its own, and ``attention_mask`` marks it).
+  segment of its own, and ``attention_mask`` marks it);
+- ``attention_mask`` ``[B, T]`` always, ones where no row is padded: with none, transformers renumbers a packed
+  row's positions per sample under a model's own mask overlay (Gemma3's image blocks), which packfree refuses.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class VisionPackedCollator:
     Features: mappings with ``input_ids`` and optional ``labels`` (all or none), the token marker the model takes
     (``mm_token_type_ids`` / ``token_type_ids``), an all-ones ``attention_mask`` if any, and image tensors as the
     processor returns them for that sample alone. Output: ``input_ids``, ``labels``, ``position_ids`` (``[B, T]``,
-    or ``[R, B, T]`` for multimodal RoPE), ``attention_mask`` ``[B, T]`` when a row is padded, the token markers
+    or ``[R, B, T]`` for multimodal RoPE), ``attention_mask`` ``[B, T]`` (0 on padding), the token markers
     ``[B, T]``, and every image key concatenated over the samples that have it.
     """
 
@@ -107,6 +109,7 @@ class VisionPackedCollator:
                 batch[key] = self._per_token(rows, samples, key, row_len)
         if self.rope_index is not None:
             batch["position_ids"] = self._rope_positions(rows, samples, row_len)
+        batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
         batch.update(self._images(rows, samples))
         return batch
 

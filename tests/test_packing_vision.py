@@ -11,6 +11,11 @@ from tests.conftest import assert_close
 from tests.models.vlm_cases import CASES, VLMCase
 
 
+_GRADIENT_TOLERANCE = {"gemma3": 1e-6}
+"""Gemma's RMSNorm computes in float32 even in a float64 model, so its weight gradients, summed over the tokens
+in another order packed than alone, differ by ~5e-8."""
+
+
 def _labelled(case: VLMCase, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The sample with labels as a trainer sets them: its ids, -100 on image placeholders."""
     ids = sample["input_ids"]
@@ -56,7 +61,9 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("model_type", "rows", "checkpointing"), [
     ("qwen2_vl", 1, False), ("qwen2_vl", 2, True), ("llava", 1, True), ("llava", 2, False), ("idefics3", 2, False),
-], ids=["qwen2_vl-1row", "qwen2_vl-2rows-checkpointing", "llava-1row-checkpointing", "llava-2rows", "idefics3-2rows"])
+    ("gemma3", 1, False),
+], ids=["qwen2_vl-1row", "qwen2_vl-2rows-checkpointing", "llava-1row-checkpointing", "llava-2rows", "idefics3-2rows",
+        "gemma3-1row"])
 def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int, checkpointing: bool) -> None:
     """Collator output through the model: logits, the model's loss and every gradient (vision tower included)
     equal each sample alone on stock sdpa. Two rows: the samples spread over both, padded, images row after row.
@@ -85,7 +92,8 @@ def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int, 
     ours, theirs = _gradients(model), _gradients(stock)
     assert ours.keys() == theirs.keys() and any("visual" in n or "vision" in n for n in ours)
     for name in theirs:
-        assert_close(ours[name], theirs[name], atol=1e-11, rtol=0, what=f"{model_type} grad {name}")
+        assert_close(ours[name], theirs[name], atol=_GRADIENT_TOLERANCE.get(model_type, 1e-11), rtol=0,
+                     what=f"{model_type} grad {name}")
 
 
 def _row_order(batch: dict[str, torch.Tensor], samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
 from ..boundaries import Boundaries
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
 """Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
+_PER_SAMPLE_MASK = "_packfree_per_sample"
+"""Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
+stock's mask for the row, cut to each sample, which attention applies as it is."""
 
 
 def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
@@ -173,6 +176,8 @@ def packfree_attention_forward(
         boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
         if boundaries is not None and query.shape[2] == key.shape[2]:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
+    if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
+        return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
     enclosing = current()
     if enclosing is not None and enclosing.is_packed and enclosing.seq_len in (query.shape[2], key.shape[2]):
         # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
@@ -234,22 +239,44 @@ def packfree_attention_mask(
 ) -> Boundaries | torch.Tensor | None:
     """transformers' mask-function contract. Returns this forward's boundaries when there are any. A mask with
     an overlay of the model's own (``use_vmap``: or/and mask functions; or an ``or_masks`` union such as Gemma3's
-    bidirectional image blocks) is built by stock ``sdpa_mask`` for an unpacked batch and refused for a packed one;
-    while compiling (closures cannot be traced, so only a union at the top is seen) every overlay is refused."""
+    bidirectional image blocks) is stock's ``sdpa_mask``: for a packed row cut to each sample (dense, O(T^2)), and
+    refused where transformers renumbered positions under the overlay. While compiling (closures cannot be
+    traced, so only a union at the top is seen) every overlay is refused."""
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length):
         compiling = torch.compiler.is_compiling()
         if not (use_vmap or _widens(mask_function, look_inside=not compiling)):
             return boundaries
-        if boundaries.is_packed or compiling:
+        if compiling:
             model_type = getattr(kwargs.get("config"), "model_type", "this model")
             raise ValueError(
                 f"{model_type!r} overlays a pattern of its own on the causal mask (or_mask_function / "
-                "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens); packfree cannot "
-                f"yet keep it inside each packed sample{', nor see all of it while compiling' if compiling else ''}. "
-                f"Pass one sample per row{' without torch.compile' if compiling else ''}, or use "
-                "attn_implementation='sdpa' for this model"
+                "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens), which packfree "
+                "cannot see whole while compiling. Run it without torch.compile, or use attn_implementation='sdpa'"
             )
+        if boundaries.is_packed:  # stock's dense mask, cut to each sample
+            if _renumbers_overlay(mask_function):
+                model_type = getattr(kwargs.get("config"), "model_type", "this model")
+                raise ValueError(
+                    f"{model_type!r} overlays a pattern of its own on the causal mask, and transformers renumbered "
+                    "the packed row's positions per sample before applying it (packed position_ids without an "
+                    "attention_mask), so the pattern reads the wrong tokens. Pass attention_mask (ones, [B, T]) "
+                    "with the packed row, as packfree_plugin.packing_vision.VisionPackedCollator does"
+                )
+            segments = boundaries.seq_idx
+
+            def same_sample(batch_idx, head_idx, q_idx, kv_idx):
+                return segments[batch_idx, q_idx] == segments[batch_idx, kv_idx]
+
+            mask_function = and_masks(mask_function, same_sample)
+            kwargs["allow_is_causal_skip"] = False
+            mask = sdpa_mask(
+                batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap,
+                **kwargs,
+            )
+            setattr(mask, _PER_SAMPLE_MASK, True)
+            return mask
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,
@@ -267,6 +294,14 @@ def _widens(mask_function: Callable | None, *, look_inside: bool) -> bool:
         return True
     base, *added = _closure_functions(mask_function)
     return _widens(base, look_inside=True) or not all(map(_adds_no_block, added))
+
+
+def _renumbers_overlay(mask_function: Callable | None) -> bool:
+    """Whether transformers' ``remap_positions_for_packed_sequence`` (packed position_ids without an attention mask)
+    wraps a widening overlay inside ``mask_function``: that overlay then indexes its ids by in-sample positions."""
+    if getattr(mask_function, "__qualname__", "").startswith("remap_positions_for_packed_sequence."):
+        return any(_widens(part, look_inside=True) for part in _closure_functions(mask_function))
+    return any(_renumbers_overlay(part) for part in _closure_functions(mask_function))
 
 
 def _closure_functions(function: Callable | None) -> list[Callable]:
