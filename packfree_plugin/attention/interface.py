@@ -43,6 +43,14 @@ _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_lengt
 _INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
 """Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
 _PER_SAMPLE_MASK = "_packfree_per_sample"
+_ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
+                   "sliding_window_overlay.", "sliding_window_causal_mask_function.",
+                   "sliding_window_bidirectional_overlay.", "sliding_window_bidirectional_mask_function.",
+                   "blockwise_overlay.", "padding_mask_function.", "packed_sequence_mask_function.",
+                   "remap_positions_for_packed_sequence.", "add_offsets_to_mask_function.",
+                   "_bidirectional_window_overlay.")
+"""Qualified names of transformers' mask functions (and Gemma3's window overlay) that read tokens by relative
+distance or per-token ids only, so stock's mask for a packed row, cut to each sample, equals each sample's own."""
 """Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
 stock's mask for the row, cut to each sample, which attention applies as it is."""
 
@@ -255,8 +263,15 @@ def packfree_attention_mask(
                 "cannot see whole while compiling. Run it without torch.compile, or use attn_implementation='sdpa'"
             )
         if boundaries.is_packed:  # stock's dense mask, cut to each sample
+            model_type = getattr(kwargs.get("config"), "model_type", "this model")
+            unknown = sorted({name for name in _qualnames(mask_function) if not name.startswith(_ROW_FREE_MASKS)})
+            if unknown:
+                raise ValueError(
+                    f"{model_type!r} overlays a pattern of its own on the causal mask ({', '.join(unknown)}) that may "
+                    "depend on a token's place in the row (e.g. Llama 4's attention chunks), so packfree cannot cut "
+                    "it to each packed sample. Pass one sample per row, or use attn_implementation='sdpa'"
+                )
             if _renumbers_overlay(mask_function):
-                model_type = getattr(kwargs.get("config"), "model_type", "this model")
                 raise ValueError(
                     f"{model_type!r} overlays a pattern of its own on the causal mask, and transformers renumbered "
                     "the packed row's positions per sample before applying it (packed position_ids without an "
@@ -294,6 +309,14 @@ def _widens(mask_function: Callable | None, *, look_inside: bool) -> bool:
         return True
     base, *added = _closure_functions(mask_function)
     return _widens(base, look_inside=True) or not all(map(_adds_no_block, added))
+
+
+def _qualnames(mask_function: Callable | None) -> list[str]:
+    """Qualified names of ``mask_function`` and of every function in its closures."""
+    names = [getattr(mask_function, "__qualname__", repr(mask_function))]
+    for part in _closure_functions(mask_function):
+        names += _qualnames(part)
+    return names
 
 
 def _renumbers_overlay(mask_function: Callable | None) -> bool:

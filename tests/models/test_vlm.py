@@ -221,3 +221,21 @@ def test_flattening_collator_kwargs_with_images_equal_each_sample_alone(model_ty
                        max_length_k=longest).logits[0]
         alone = torch.cat([stock(**sample).logits[0] for sample in samples])
     assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with cu_seq_lens")
+
+
+def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
+    """Stock's mask cut to each sample is exact only for overlays that read relative distances or per-token ids;
+    one that counts from the row's start (Llama 4's attention chunks) would cut the wrong chunks: refused."""
+    from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
+
+    from packfree_plugin import Boundaries, context
+    from packfree_plugin.attention.interface import packfree_attention_mask
+
+    boundaries = Boundaries.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    chunked = and_masks(causal_mask_function, chunked_overlay(2, torch.zeros(1, dtype=torch.long)))
+    context._push(boundaries)
+    try:
+        with pytest.raises(ValueError, match=r"chunked_overlay.*depend on a token's place in the row"):
+            packfree_attention_mask(1, 7, 7, mask_function=chunked, use_vmap=True)
+    finally:
+        context._pop()
