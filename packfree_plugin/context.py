@@ -414,24 +414,31 @@ def _uses_mrope(config: Any) -> bool:
 
 def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     """Refuse position ids whose form does not fit the model's rotary scheme: 3-D ids on a model without MRoPE
-    (transformers fails deep inside), and 2-D ids with images on an MRoPE model (the model would copy them into
-    its three planes, and image tokens would lose their (t, h, w) positions in every sample, the first too)."""
+    (transformers fails deep inside); on an MRoPE model with images, 2-D ids (the model would copy them into its
+    three planes, and image tokens would lose their (t, h, w) positions in every sample, the first too), and
+    packed rows (``cu_seq_lens`` / ``seq_idx``) without ids (packfree would number each sample 0, 1, ... on every
+    plane)."""
     position_ids = arguments.get("position_ids")
-    if not isinstance(position_ids, torch.Tensor):
-        return
     config = getattr(module, "config", None)
-    if position_ids.ndim == 3 and not _uses_mrope(config):
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not _uses_mrope(config):
         raise ValueError(
             f"{type(module).__name__} got position_ids of shape {list(position_ids.shape)}: [R, B, T] ids are for "
             "multimodal RoPE, which this model does not use. Pass [B, T] ids"
         )
-    if position_ids.ndim == 2 and any(arguments.get(name) is not None for name in _VISUAL_INPUTS) \
-            and _uses_mrope(config):
-        raise ValueError(
-            f"{type(module).__name__} got 2-D position_ids together with images or videos; its multimodal RoPE "
-            "needs each token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes "
-            "them), or the [3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T"
-        )
+    if not any(arguments.get(name) is not None for name in _VISUAL_INPUTS) or not _uses_mrope(config):
+        return
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2:
+        given = "2-D position_ids"
+    elif position_ids is None and _packing_signs(arguments):
+        given = f"a packed batch ({', '.join(_packing_signs(arguments))}) without position_ids"
+    else:
+        return
+    raise ValueError(
+        f"{type(module).__name__} got {given} together with images or videos; its multimodal RoPE needs each "
+        "token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes them), or the "
+        "[3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T "
+        "(packfree_plugin.packing_vision.VisionPackedCollator builds them)"
+    )
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

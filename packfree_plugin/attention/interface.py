@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
 from ..boundaries import Boundaries
@@ -43,6 +43,17 @@ logger = logging.getLogger(__name__)
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
 """Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
+_PER_SAMPLE_MASK = "_packfree_per_sample"
+_ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
+                   "sliding_window_overlay.", "sliding_window_causal_mask_function.",
+                   "sliding_window_bidirectional_overlay.", "sliding_window_bidirectional_mask_function.",
+                   "blockwise_overlay.", "padding_mask_function.", "packed_sequence_mask_function.",
+                   "remap_positions_for_packed_sequence.", "add_offsets_to_mask_function.",
+                   "_bidirectional_window_overlay.")
+"""Qualified names of transformers' mask functions (and Gemma3's window overlay) that read tokens by relative
+distance or per-token ids only, so stock's mask for a packed row, cut to each sample, equals each sample's own."""
+"""Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
+stock's mask for the row, cut to each sample, which attention applies as it is."""
 
 
 def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
@@ -195,6 +206,8 @@ def packfree_attention_forward(
         boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
         if boundaries is not None and query.shape[2] == key.shape[2]:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
+    if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
+        return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
     enclosing = current()
     if enclosing is not None and enclosing.is_packed and enclosing.seq_len in (query.shape[2], key.shape[2]):
         # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
@@ -204,7 +217,10 @@ def packfree_attention_forward(
             "outside transformers' mask interface) inside a packed forward; packfree cannot keep that attention "
             "inside each sample. Pass one sample per row for this model"
         )
-    if not in_prepared_forward():
+    # Backward's recomputation of a checkpointed layer runs outside the model's forward: a vision tower's layer
+    # (no boundaries: its forward took this same path) recomputes as it ran. (The engine's graph task id is -1
+    # outside backward.)
+    if not in_prepared_forward() and torch._C._current_graph_task_id() == -1:
         raise ValueError(
             f"{type(module).__name__} runs packfree attention in a model packfree has not prepared (for example one "
             "switched with set_attn_implementation('packfree') after loading), so nothing reads its batch's "
@@ -353,22 +369,60 @@ def packfree_attention_mask(
     **kwargs,
 ) -> Boundaries | torch.Tensor | None:
     """transformers' mask-function contract. Returns this forward's boundaries when there are any, for a
-    ``mask_function`` whose pattern packfree's attention computes (:func:`_check_pattern`)."""
+    ``mask_function`` whose pattern packfree's attention computes (:func:`_check_pattern`). A mask with an overlay of
+    the model's own (``use_vmap``: or/and mask functions; or an ``or_masks`` union such as Gemma3's bidirectional
+    image blocks) is stock's ``sdpa_mask``: for a packed row cut to each sample (dense, O(T^2)), and refused where
+    transformers renumbered positions under the overlay. While compiling (closures cannot be traced, so only a union
+    at the top is seen) every overlay is refused. A call whose 2-D mask is not the boundaries' padding (a seq2seq
+    cross-attention given the encoder's mask) gets stock's mask."""
     boundaries = current()
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
             and _marks_their_padding(boundaries, attention_mask):
-        if not use_vmap:
-            if mask_function is not None and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not (use_vmap or _widens(mask_function, look_inside=not compiling)):
+            if mask_function is not None and not compiling:
                 # compiled forwards skip the check: their model passed it eagerly, in the sweep or the proof at load
                 _check_pattern(mask_function)
             if _wants_tensor_mask(kwargs.get("config")):
                 return _packed_dense_mask(boundaries, mask_function, kwargs.get("dtype", torch.float32))
             return boundaries
-        raise ValueError(
-            "this model overlays a custom pattern on its attention mask (or_mask_function / and_mask_function, "
-            "e.g. bidirectional image tokens); packfree cannot yet combine it with packed boundaries. Pass one "
-            "sample per row, or use attn_implementation='sdpa' for this model"
-        )
+        if compiling:
+            model_type = getattr(kwargs.get("config"), "model_type", "this model")
+            raise ValueError(
+                f"{model_type!r} overlays a pattern of its own on the causal mask (or_mask_function / "
+                "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens), which packfree "
+                "cannot see whole while compiling. Run it without torch.compile, or use attn_implementation='sdpa'"
+            )
+        if boundaries.is_packed:  # stock's dense mask, cut to each sample
+            model_type = getattr(kwargs.get("config"), "model_type", "this model")
+            unknown = sorted({name for name in _qualnames(mask_function) if not name.startswith(_ROW_FREE_MASKS)})
+            if unknown:
+                raise ValueError(
+                    f"{model_type!r} overlays a pattern of its own on the causal mask ({', '.join(unknown)}) that may "
+                    "depend on a token's place in the row (e.g. Llama 4's attention chunks), so packfree cannot cut "
+                    "it to each packed sample. Pass one sample per row, or use attn_implementation='sdpa'"
+                )
+            if _renumbers_overlay(mask_function):
+                raise ValueError(
+                    f"{model_type!r} overlays a pattern of its own on the causal mask, and transformers renumbered "
+                    "the packed row's positions per sample before applying it (packed position_ids without an "
+                    "attention_mask), so the pattern reads the wrong tokens. Pass attention_mask (ones, [B, T]) "
+                    "with the packed row, as packfree_plugin.packing_vision.VisionPackedCollator does"
+                )
+            segments = boundaries.seq_idx
+
+            def same_sample(batch_idx, head_idx, q_idx, kv_idx):
+                return segments[batch_idx, q_idx] == segments[batch_idx, kv_idx]
+
+            mask_function = and_masks(mask_function, same_sample)
+            kwargs["allow_is_causal_skip"] = False
+            mask = sdpa_mask(
+                batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap,
+                **kwargs,
+            )
+            setattr(mask, _PER_SAMPLE_MASK, True)
+            return mask
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,
@@ -382,3 +436,49 @@ def _marks_their_padding(boundaries: Boundaries, attention_mask: torch.Tensor | 
     if attention_mask is None or attention_mask.ndim != 2 or torch.compiler.is_compiling():
         return True
     return torch.equal(attention_mask.bool(), ~boundaries.padding_tokens.to(attention_mask.device))
+
+
+def _widens(mask_function: Callable | None, *, look_inside: bool) -> bool:
+    """Whether transformers' ``or_masks`` composed ``mask_function`` with something that widens causal attention,
+    such as ``block_sequence_ids`` (which transformers passes without ``use_vmap``). Inside its closures (not
+    traceable by torch.compile, so only with ``look_inside``) a block overlay without any block (all ids -1, as
+    Gemma 4 builds for text) adds nothing; without ``look_inside`` any union at the top counts."""
+    if getattr(mask_function, "__name__", "") != "or_mask":  # or_masks' inner function (Dynamo hides __qualname__)
+        return look_inside and any(_widens(part, look_inside=True) for part in _closure_functions(mask_function))
+    if not look_inside:
+        return True
+    base, *added = _closure_functions(mask_function)
+    return _widens(base, look_inside=True) or not all(map(_adds_no_block, added))
+
+
+def _qualnames(mask_function: Callable | None) -> list[str]:
+    """Qualified names of ``mask_function`` and of every function in its closures."""
+    names = [getattr(mask_function, "__qualname__", repr(mask_function))]
+    for part in _closure_functions(mask_function):
+        names += _qualnames(part)
+    return names
+
+
+def _renumbers_overlay(mask_function: Callable | None) -> bool:
+    """Whether transformers' ``remap_positions_for_packed_sequence`` (packed position_ids without an attention mask)
+    wraps a widening overlay inside ``mask_function``: that overlay then indexes its ids by in-sample positions."""
+    if getattr(mask_function, "__qualname__", "").startswith("remap_positions_for_packed_sequence."):
+        return any(_widens(part, look_inside=True) for part in _closure_functions(mask_function))
+    return any(_renumbers_overlay(part) for part in _closure_functions(mask_function))
+
+
+def _closure_functions(function: Callable | None) -> list[Callable]:
+    """The functions a mask function closes over (``or_masks``/``and_masks`` hold theirs in a tuple), in order."""
+    found: list[Callable] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        contents = cell.cell_contents
+        found += [item for item in (contents if isinstance(contents, tuple) else (contents,)) if callable(item)]
+    return found
+
+
+def _adds_no_block(function: Callable) -> bool:
+    """Whether ``function`` is transformers' ``blockwise_overlay`` over ids that are all -1 (no block at all)."""
+    if not getattr(function, "__qualname__", "").startswith("blockwise_overlay."):
+        return False
+    ids = [cell.cell_contents for cell in function.__closure__ or () if isinstance(cell.cell_contents, torch.Tensor)]
+    return len(ids) == 1 and bool((ids[0] < 0).all())

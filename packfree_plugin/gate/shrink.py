@@ -170,8 +170,27 @@ def _shrink_values(values: dict[str, Any]) -> None:
         value = values.get(name)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
             values[name] = [min(v, WINDOW) for v in value]
+    _fit_mrope_sections(values)
     if "vocab_size" in values:
         _remap_special_ids(values, min(int(values["vocab_size"] or TINY_VOCAB), TINY_VOCAB))
+
+
+def _fit_mrope_sections(values: dict[str, Any]) -> None:
+    """Multimodal RoPE's (t, h, w) ``mrope_section`` must add up to half the rotary width, which shrinking the
+    heads changed (Qwen2/2.5-VL, GLM-4V): scale it, keeping each section at least 1."""
+    rope = values.get("rope_parameters") or values.get("rope_scaling")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
+    head_dim = values.get("head_dim")
+    if head_dim is None and isinstance(heads, int) and isinstance(hidden, int):
+        head_dim = hidden // heads
+    if not isinstance(sections, list) or not isinstance(head_dim, int) or not sum(sections):
+        return
+    half = int(head_dim * rope.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
+    if sum(sections) != half:
+        scaled = [max(1, section * half // sum(sections)) for section in sections]
+        scaled[-1] += half - sum(scaled)
+        rope["mrope_section"] = scaled
 
 
 def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:

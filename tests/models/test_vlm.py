@@ -1,51 +1,241 @@
-"""Vision-language models under packfree: what is refused because it cannot be exact yet."""
+"""Vision-language models under packfree, against each sample alone on stock sdpa in float64: unpacked calls
+with images, padded batches, generate(), and packed rows with an image per sample (of different sizes where the
+model takes them), text-only samples mixed in; and what is refused because it cannot be exact yet."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
-from transformers import AutoConfig, Qwen2VLForConditionalGeneration
 
-import packfree_plugin
+from packfree_plugin.packing_vision import VisionPackedCollator
+from tests.conftest import assert_close
+from tests.models.vlm_cases import CASES, VLMCase
 
-
-def _tiny_qwen2_vl(implementation: str = "packfree"):
-    packfree_plugin.register()
-    config = AutoConfig.for_model(
-        "qwen2_vl",
-        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=256, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2)
-    torch.manual_seed(0)
-    return Qwen2VLForConditionalGeneration._from_config(config, attn_implementation=implementation,
-                                                        dtype=torch.float64).eval()
+MROPE = [name for name, case in CASES.items() if case.mrope]
+EXACT = 1e-12
 
 
-def test_one_sample_with_an_image_equals_stock() -> None:
-    """Unpacked, with an image: the vision tower gets its own inputs' boundaries (it used to be checked against
-    the text row's and fail), and the logits equal stock sdpa."""
-    model, stock = _tiny_qwen2_vl(), _tiny_qwen2_vl("sdpa")
+@cache
+def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(packfree model, stock model)`` with the same weights (built once per module: the tests only run them)."""
+    case = CASES[model_type]
+    model, stock = case.build("packfree"), case.build("sdpa")
     stock.load_state_dict(model.state_dict())
-    ids = torch.tensor([[5, 6, 252, 250, 7, 8]])
-    pixels = torch.randn(4, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    grid = torch.tensor([[1, 2, 2]])
-    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-                  mm_token_type_ids=(ids == 250).long())  # as the processor returns it: 1 on image tokens
+    return model, stock
+
+
+def _samples(case: VLMCase) -> list[dict[str, torch.Tensor]]:
+    """Two samples with an image each (the model's smallest and largest test size) and a text-only one."""
+    return [case.sample([5, 6], [case.sizes[0]], [7, 8, 9], seed=1),
+            case.sample([10], [case.sizes[-1]], [11, 12], seed=2),
+            case.sample([13, 14, 15, 16], [], [], seed=3)]
+
+
+def _padded(case: VLMCase, samples: list[dict[str, torch.Tensor]], side: str) -> dict[str, torch.Tensor]:
+    """A padded batch of ``samples`` as a processor builds it (pad id 0, ``attention_mask`` 0 on padding)."""
+    length = max(sample["input_ids"].shape[1] for sample in samples)
+    batch: dict[str, list[torch.Tensor]] = {}
+    for sample in samples:
+        tokens = sample["input_ids"].shape[1]
+        for key, value in {**sample, "attention_mask": torch.ones_like(sample["input_ids"])}.items():
+            if key in ("input_ids", "attention_mask", case.token_type_key):
+                pad = value.new_zeros(1, length - tokens)
+                value = torch.cat([value, pad] if side == "right" else [pad, value], dim=1)
+            batch.setdefault(key, []).append(value)
+    if case.images_per_row:  # [1, images, ...] per sample: pad with all-zero images
+        for key in ("pixel_values", "pixel_attention_mask"):
+            most = max(value.shape[1] for value in batch[key])
+            batch[key] = [torch.cat([v, v.new_zeros(1, most - v.shape[1], *v.shape[2:])], dim=1) for v in batch[key]]
+    return {key: torch.cat(values) for key, values in batch.items()}
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_one_sample_with_an_image_equals_stock(model_type: str) -> None:
+    """Unpacked, with an image: the vision tower reads its own inputs' boundaries (none), the text model the
+    row's, and the logits equal stock sdpa."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    sample = case.sample([5, 6], [case.sizes[-1]], [7, 8, 9], seed=1)
     with torch.no_grad():
-        ours, theirs = model(**inputs).logits, stock(**inputs).logits
-    assert torch.allclose(ours, theirs, atol=1e-10, rtol=0), (ours - theirs).abs().max()
+        assert_close(model(**sample).logits, stock(**sample).logits, atol=EXACT, rtol=0, what=model_type)
 
 
-def test_flat_position_ids_with_images_on_mrope_are_refused() -> None:
+def test_gemma3_unpacked_keeps_its_bidirectional_image_block() -> None:
+    """Gemma3's image tokens attend to each other both ways (token_type_ids): packfree builds stock's mask for an
+    unpacked call, and the block does change the logits (so the equality above could fail)."""
+    case = CASES["gemma3"]
+    model, stock = _pair("gemma3")
+    sample = case.sample([5, 6], [case.sizes[0]], [7, 8, 9], seed=1)
+    causal = {key: value for key, value in sample.items() if key != "token_type_ids"}
+    with torch.no_grad():
+        ours, theirs = model(**sample).logits, stock(**sample).logits
+        assert (stock(**causal).logits - theirs).abs().max() > 1e-3, "the image block made no difference"
+    assert_close(ours, theirs, atol=EXACT, rtol=0, what="gemma3 with token_type_ids")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("model_type", CASES)
+def test_padded_batch_with_images_equals_stock(model_type: str, side: str) -> None:
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    batch = _padded(case, _samples(case)[:2], side)
+    kept = batch["attention_mask"].bool()
+    with torch.no_grad():
+        ours, theirs = model(**batch).logits, stock(**batch).logits
+    assert_close(ours[kept], theirs[kept], atol=EXACT, rtol=0, what=f"{model_type} {side}-padded")
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_generate_with_an_image_equals_stock(model_type: str) -> None:
+    """Greedy generation from a prompt with an image: same tokens and scores (MRoPE's rope deltas; Gemma3's
+    image block in the prefill)."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    sample = case.sample([5, 6], [case.sizes[-1]], [7, 8, 9], seed=1)
+    options = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ours, theirs = model.generate(**sample, **options), stock.generate(**sample, **options)
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    assert_close(torch.stack(ours.scores), torch.stack(theirs.scores), atol=EXACT, rtol=0, what=model_type)
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_packed_row_with_images_equals_each_sample_alone(model_type: str) -> None:
+    """Three samples in one row (two images of different sizes where the model takes them, and a text-only
+    sample): images concatenated in sample order; positions each sample's own get_rope_index (MRoPE) or
+    restarting ids. Every sample's logits equal that sample alone on stock (Gemma3: with its bidirectional image
+    blocks, through stock's dense mask cut to each sample)."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _samples(case)
+    batch = VisionPackedCollator(model)(samples)
+    with torch.no_grad():
+        packed = model(**{key: value for key, value in batch.items() if key != "labels"}).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"packed {model_type}")
+
+
+def test_packed_gemma3_image_blocks_renumbered_by_transformers_are_refused() -> None:
+    """Packed position_ids without an attention_mask make transformers renumber positions per sample before it
+    applies Gemma3's image-block overlay on sliding layers, which then reads another sample's block ids (0.53 off):
+    refused, saying to pass the attention_mask."""
+    case = CASES["gemma3"]
+    model, _ = _pair("gemma3")
+    batch = VisionPackedCollator(model)(_samples(case))
+    assert batch["token_type_ids"].sum() > 0
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "attention_mask")}
+    with torch.no_grad(), pytest.raises(ValueError, match=r"gemma3.*renumbered.*Pass attention_mask"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("model_type", MROPE)
+def test_flat_position_ids_with_images_on_mrope_are_refused(model_type: str) -> None:
     """The collator's 2-D ids with an image would give every image token the wrong (t, h, w) position, in
     every sample: refused, with what to pass instead."""
-    model = _tiny_qwen2_vl()
-    ids = torch.tensor([[5, 6, 252, 250, 7, 0, 1, 252, 250, 8]])
-    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
-    pixels = torch.randn(8, 3 * 2 * 14 * 14, dtype=torch.float64)
-    grid = torch.tensor([[1, 2, 2], [1, 2, 2]])
+    case = CASES[model_type]
+    model, _ = _pair(model_type)
+    batch = VisionPackedCollator(model)(_samples(case)[:2])
+    flat = batch["position_ids"][0]  # the text plane: restarts in every sample
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "position_ids")}
     with torch.no_grad(), pytest.raises(ValueError, match=r"2-D position_ids together with images"):
-        model(input_ids=ids, position_ids=positions, pixel_values=pixels, image_grid_thw=grid)
+        model(**inputs, position_ids=flat)
+
+
+@pytest.mark.parametrize("boundary", ["cu_seq_lens", "seq_idx"])
+@pytest.mark.parametrize("model_type", MROPE)
+def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type: str, boundary: str) -> None:
+    """cu_seq_lens / seq_idx with images and no ids: packfree would number each sample 0, 1, ... on every plane
+    (2.7e-3 off on Qwen2-VL before this was refused)."""
+    case = CASES[model_type]
+    model, _ = _pair(model_type)
+    samples = _samples(case)[:2]
+    inputs = {key: value for key, value in VisionPackedCollator(model)(samples).items()
+              if key not in ("labels", "position_ids")}
+    first, total = samples[0]["input_ids"].shape[1], inputs["input_ids"].shape[1]
+    if boundary == "seq_idx":
+        inputs["seq_idx"] = (torch.arange(total) >= first).to(torch.int32)[None]
+    else:
+        cu = torch.tensor([0, first, total], dtype=torch.int32)
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=total, max_length_k=total)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"packed batch .* without position_ids together with images"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize(("model_type", "rope"), [
+    ("qwen2_vl", {"mrope_section": [16, 24, 24]}),
+    ("qwen2_5_vl", {"mrope_section": [16, 24, 24]}),
+    ("glm4v", {"mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}),
+])
+def test_gate_proves_checkpoint_mrope_configs(model_type: str, rope: dict) -> None:
+    """A checkpoint's config (its mrope_section fits 128-wide heads) loads: the gate's tiny copy scales the
+    sections to its own heads (it could not be built before, so loading was refused) and is proved exact."""
+    import transformers
+
+    from packfree_plugin.gate.admission import bypassed
+    from packfree_plugin.gate.proof import build_pair, prove
+    from packfree_plugin.gate.shrink import shrink_config
+
+    cls = getattr(transformers, CASES[model_type].class_name)
+    config = cls.config_class(text_config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, **rope}})
+    with bypassed():
+        packed, stock, implementation = build_pair(cls, shrink_config(config))
+        proof = prove(packed, stock, stock_name=implementation)
+    assert proof.exact, proof.summary()
+
+
+def test_compiled_gemma3_with_an_image_block_is_never_silently_wrong() -> None:
+    """Under torch.compile packfree sees the image block's union at the top of the mask function only: an
+    unpacked call must still equal stock (or be refused), never drop the block (it gave 0.21 off before)."""
+    case = CASES["gemma3"]
+    model, stock = _pair("gemma3")
+    sample = case.sample([5, 6], [case.sizes[0]], [7, 8, 9], seed=1)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend="eager")(**sample, use_cache=False).logits
+            expected = stock(**sample, use_cache=False).logits
+    except ValueError as refusal:
+        assert "overlays a pattern of its own" in str(refusal)
+    else:
+        assert_close(compiled, expected, atol=EXACT, rtol=0, what="compiled gemma3")
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", [name for name in CASES if name not in MROPE])
+def test_flattening_collator_kwargs_with_images_equal_each_sample_alone(model_type: str) -> None:
+    """DataCollatorWithFlattening's cu_seq_lens (no position_ids) on a model with ordinary RoPE: packfree numbers
+    each sample from 0, and every sample equals itself alone."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _samples(case)
+    inputs = {key: value for key, value in VisionPackedCollator(model)(samples).items()
+              if key not in ("labels", "position_ids")}
+    lengths = torch.tensor([sample["input_ids"].shape[1] for sample in samples])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    longest = int(lengths.max())
+    with torch.no_grad():
+        packed = model(**inputs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                       max_length_k=longest).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with cu_seq_lens")
+
+
+def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
+    """Stock's mask cut to each sample is exact only for overlays that read relative distances or per-token ids;
+    one that counts from the row's start (Llama 4's attention chunks) would cut the wrong chunks: refused."""
+    from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
+
+    from packfree_plugin import Boundaries, context
+    from packfree_plugin.attention.interface import packfree_attention_mask
+
+    boundaries = Boundaries.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    chunked = and_masks(causal_mask_function, chunked_overlay(2, torch.zeros(1, dtype=torch.long)))
+    context._push(boundaries)
+    try:
+        with pytest.raises(ValueError, match=r"chunked_overlay.*depend on a token's place in the row"):
+            packfree_attention_mask(1, 7, 7, mask_function=chunked, use_vmap=True)
+    finally:
+        context._pop()

@@ -1,0 +1,167 @@
+"""Tiny vision-language models and hand-built processor outputs for the VLM tests: one table entry per model
+type, no hub access. Each image is built in the shapes its processor returns (pixel tensors, grids, masks) with
+the number of placeholder tokens the model expects for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import packfree_plugin
+
+VOCAB = 256
+_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+             vocab_size=VOCAB, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}
+_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+               patch_size=8)
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image as its processor returns it: the model inputs for it alone (``[1, ...]`` batch dim where the
+    processor batches per row) and how many placeholder tokens stand for it in ``input_ids``."""
+
+    inputs: dict[str, torch.Tensor]
+    tokens: int
+
+
+def _grid_image(patch: int) -> Callable[[tuple[int, int], torch.Generator], Image]:
+    """Qwen-VL / GLM-4V processors: ``pixel_values [h*w, 3*2*patch*patch]`` (flattened patches, temporal patch 2),
+    ``image_grid_thw [1, 3]``; a 2x2 merge gives ``h*w/4`` tokens."""
+
+    def image(size: tuple[int, int], generator: torch.Generator) -> Image:
+        h, w = size
+        pixels = torch.randn(h * w, 3 * 2 * patch * patch, generator=generator, dtype=torch.float64)
+        return Image({"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, h, w]])}, h * w // 4)
+
+    return image
+
+
+def _square_image(side: int, tokens: int) -> Callable[[tuple[int, int], torch.Generator], Image]:
+    """LLaVA / Gemma3 / InternVL processors: ``pixel_values [tiles, 3, side, side]``; ``size = (tiles, _)``."""
+
+    def image(size: tuple[int, int], generator: torch.Generator) -> Image:
+        tiles = size[0]
+        pixels = torch.randn(tiles, 3, side, side, generator=generator, dtype=torch.float64)
+        return Image({"pixel_values": pixels}, tiles * tokens)
+
+    return image
+
+
+def _idefics_image(size: tuple[int, int], generator: torch.Generator) -> Image:
+    """Idefics3 / SmolVLM processors: ``pixel_values [1, tiles, 3, 32, 32]`` with ``pixel_attention_mask
+    [1, tiles, 32, 32]``; 16 patches of 8 pixels shuffled by scale factor 2 give 4 tokens per tile."""
+    tiles = size[0]
+    pixels = torch.randn(1, tiles, 3, 32, 32, generator=generator, dtype=torch.float64)
+    mask = torch.ones(1, tiles, 32, 32, dtype=torch.bool)
+    return Image({"pixel_values": pixels, "pixel_attention_mask": mask}, tiles * 4)
+
+
+@dataclass(frozen=True)
+class VLMCase:
+    """A tiny VLM: its config, how its images look and how the processor marks them in the text."""
+
+    model_type: str
+    class_name: str
+    config: dict[str, Any]
+    image_token: int
+    image: Callable[[tuple[int, int], torch.Generator], Image]
+    sizes: tuple[tuple[int, int], ...]
+    """Image sizes the tests use (grid ``(h, w)`` in patches, or ``(tiles, _)``); several where the model allows."""
+    opens_image: tuple[int, ...] = ()
+    """Tokens the processor puts before each image's placeholders (vision start, begin-of-image)."""
+    token_type_key: str | None = None
+    """Name of the per-token image marker the model takes (1 on image tokens), if any."""
+    mrope: bool = False
+    """Multimodal RoPE: positions from each sample's own ``get_rope_index``."""
+    images_per_row: bool = False
+    """Image tensors are ``[B, images, ...]`` (one entry per row), not ``[images, ...]``."""
+
+    def build(self, implementation: str) -> torch.nn.Module:
+        """The tiny model in float64, eval mode, same weights for every implementation (seeded)."""
+        import transformers
+
+        packfree_plugin.register()
+        config = transformers.AutoConfig.for_model(self.model_type, **self.config)
+        torch.manual_seed(0)
+        cls = getattr(transformers, self.class_name)
+        return cls._from_config(config, attn_implementation=implementation, dtype=torch.float64).eval()
+
+    def sample(self, text_before: list[int], sizes: list[tuple[int, int]], text_after: list[int],
+               seed: int) -> dict[str, torch.Tensor]:
+        """One sample as the processor returns it (``[1, T]`` tensors): text, each image's placeholders, text."""
+        generator = torch.Generator().manual_seed(seed)
+        ids = list(text_before)
+        images = [self.image(size, generator) for size in sizes]
+        for image in images:
+            ids += [*self.opens_image, *[self.image_token] * image.tokens]
+        ids += text_after
+        row = torch.tensor([ids])
+        sample: dict[str, torch.Tensor] = {"input_ids": row}
+        if self.token_type_key:
+            sample[self.token_type_key] = (row == self.image_token).long()
+        for key in images[0].inputs if images else ():
+            sample[key] = torch.cat([image.inputs[key] for image in images], dim=1 if self.images_per_row else 0)
+        return sample
+
+
+CASES: dict[str, VLMCase] = {case.model_type: case for case in (
+    VLMCase("qwen2_vl", "Qwen2VLForConditionalGeneration",
+            dict(text_config={**_TEXT, "rope_parameters": _MROPE},
+                 vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                                    spatial_merge_size=2, temporal_patch_size=2),
+                 image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+    VLMCase("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+            dict(text_config={**_TEXT, "rope_parameters": _MROPE},
+                 vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                                    fullatt_block_indexes=[1]),
+                 image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
+            250, _grid_image(14), ((2, 2), (4, 4)), (252,), "mm_token_type_ids", mrope=True),
+    VLMCase("qwen3_vl", "Qwen3VLForConditionalGeneration",
+            dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
+                 vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                    num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                 image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+    VLMCase("glm4v", "Glm4vForConditionalGeneration",
+            dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_section": [1, 1, 2],  # half of 16 * 0.5
+                                                           "partial_rotary_factor": 0.5}},
+                 vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    image_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                 image_token_id=250, video_token_id=251, image_start_token_id=252, image_end_token_id=253,
+                 video_start_token_id=254, video_end_token_id=255, eos_token_id=2),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+    VLMCase("llava", "LlavaForConditionalGeneration",
+            dict(text_config={"model_type": "llama", **_TEXT},
+                 vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                    projection_dim=32),
+                 image_token_index=250, image_seq_length=4),
+            250, _square_image(28, 4), ((1, 0),)),
+    VLMCase("gemma3", "Gemma3ForConditionalGeneration",
+            dict(text_config={**_TEXT, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+                 vision_config={"model_type": "siglip_vision_model", **_SIGLIP},
+                 mm_tokens_per_image=4, boi_token_index=252, eoi_token_index=253, image_token_index=250),
+            250, _square_image(32, 4), ((1, 0),), (252,), "token_type_ids"),
+    VLMCase("idefics3", "Idefics3ForConditionalGeneration",
+            dict(text_config={"model_type": "llama", **_TEXT}, vision_config=_SIGLIP, scale_factor=2,
+                 image_token_id=250, pad_token_id=0),
+            250, _idefics_image, ((1, 0), (2, 0)), images_per_row=True),
+    VLMCase("smolvlm", "SmolVLMForConditionalGeneration",
+            dict(text_config={"model_type": "llama", **_TEXT}, vision_config=_SIGLIP, scale_factor=2,
+                 image_token_id=250, pad_token_id=0),
+            250, _idefics_image, ((1, 0), (2, 0)), images_per_row=True),
+    VLMCase("internvl", "InternVLForConditionalGeneration",
+            dict(text_config={"model_type": "qwen2", **_TEXT},
+                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=56, patch_size=14),
+                 image_token_id=250, image_seq_length=4, downsample_ratio=0.5),
+            250, _square_image(56, 4), ((1, 0), (2, 0))),
+)}
