@@ -25,6 +25,13 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def demo_vlm(session: nox.Session) -> None:
+    """The vision-language demo: a small Qwen2-VL on the embedded captioned images, padded and packed."""
+    _install(session, "demo")
+    session.run("python", "-m", "packfree_plugin", "demo-vlm", *session.posargs)
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """The default suite (Hypothesis profile ``ci``)."""
     _install(session)

@@ -218,7 +218,9 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     """
     config = model.config
     proof = Proof(getattr(config, "model_type", "?"), type(model).__name__, stock_name)
-    samples = sample_tokens(lengths, int(getattr(config, "vocab_size", None) or TINY_VOCAB), seed=seed)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(config, "vocab_size", None) or getattr(text_config, "vocab_size", None)
+    samples = sample_tokens(lengths, int(vocab or TINY_VOCAB), seed=seed)
     alone = alone_outputs(stock, samples)
     for mode in MODES:
         batch = _with_decoder_inputs(model, packed_batch(samples, mode))

@@ -1,5 +1,5 @@
-"""``packfree`` command line: ``demo``, ``doctor``, ``verify``, ``bench``. Parsing only; the work lives in
-:mod:`.demo`, :mod:`.doctor`, :mod:`.verify` and :mod:`.bench`."""
+"""``packfree`` command line: ``demo``, ``demo-vlm``, ``doctor``, ``verify``, ``bench``. Parsing only; the work lives
+in :mod:`.demo`, :mod:`.demo_vlm`, :mod:`.doctor`, :mod:`.verify` and :mod:`.bench`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def _demo(args: argparse.Namespace) -> int:
                                    max_tokens=args.max_tokens, data_file=args.data_file, out=args.out,
                                    threads=args.threads, progress=not args.no_progress))
     return 0 if summary["audit_ok"] else 1
+
+
+def _demo_vlm(args: argparse.Namespace) -> int:
+    from .demo_vlm import VisionDemoOptions, run_vision_demo
+
+    run_vision_demo(VisionDemoOptions(epochs=args.epochs, batch_size=args.batch_size, out=args.out,
+                                      threads=args.threads, progress=not args.no_progress))
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -118,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the cores)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
+
+    vlm = commands.add_parser("demo-vlm", help="train a small Qwen2-VL padded and packed on the embedded captioned "
+                                               "images; report and plot")
+    vlm.add_argument("--epochs", type=int, default=4, help="passes over the 45 images (default 4)")
+    vlm.add_argument("--batch-size", type=int, default=15, help="samples per step (default 15)")
+    vlm.add_argument("--out", default="packfree-report", help="output folder (report-vlm.md, demo-vlm.png)")
+    vlm.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the cores)")
+    vlm.add_argument("--no-progress", action="store_true", help="no progress bars")
+    vlm.set_defaults(run=_demo_vlm)
 
     doctor = commands.add_parser("doctor", help="packages found and, per model, each layer's backend here")
     doctor.add_argument("models", nargs="*", default=["qwen3_next"],
