@@ -37,6 +37,22 @@ def naive_attention(q, k, v, *, scale, causal, window, softcap, sinks) -> torch.
     return out
 
 
+def dense_attention(q, k, v, *, scale, causal, window, softcap) -> torch.Tensor:
+    """One sample with a dense ``[L, L]`` mask (the same rules as :func:`naive_attention`, for long samples):
+    ``q [H, L, D]``, ``k/v [Hkv, L, D]`` -> ``[H, L, Dv]``."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    logits = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    i = torch.arange(q.shape[1])[:, None]
+    j = torch.arange(q.shape[1])[None, :]
+    visible = (j <= i) if causal else torch.ones_like(i == j)
+    if window is not None:
+        visible &= (i - window < j) if causal else ((i - j).abs() < window)
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+
 case = st.fixed_dictionaries(
     {
         "lengths": st.lists(st.integers(1, 11), min_size=1, max_size=5),
@@ -79,6 +95,22 @@ def test_segment_attention_equals_each_sample_alone(query_block: int, case: dict
             window=options.window, softcap=options.softcap, sinks=sinks,
         )
         assert_close(out[row, piece].transpose(0, 1), expected, what=f"segment at {start}")
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, 100), (False, 100), (True, None), (False, None)],
+                         ids=["causal-window", "bidirectional-window", "causal", "bidirectional"])
+def test_samples_longer_than_a_query_block_at_the_default_block(causal: bool, window: int | None) -> None:
+    """The blockwise path as models run it (the default ``QUERY_BLOCK``, samples longer than it), GQA included: each
+    block's key range must reach every key the window allows and none beyond, in both directions."""
+    lengths = (segments.QUERY_BLOCK * 2 + 37, 90, segments.QUERY_BLOCK + 5)
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1, seed=5)
+    options = AttentionOptions(scale=0.4, causal=causal, window=window, softcap=None if window is None else 5.0)
+    out = segments.segment_attention(q, k, v, boundaries, options)
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        piece = slice(start, start + length)
+        expected = dense_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=options.scale, causal=causal,
+                                   window=window, softcap=options.softcap)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"segment at {start}")
 
 
 @given(case)

@@ -121,6 +121,21 @@ def test_new_packings_do_not_recompile(model_type: str, flash_kwargs: bool) -> N
     assert recompiles == 0, f"{model_type}: {recompiles} recompiles for new packings after the warm-up"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
+def test_a_new_packing_of_the_same_row_length_is_not_served_stale_offsets(model_type: str) -> None:
+    """Packings that share one row length reuse one compiled graph: every one must be computed with its own
+    offsets (a graph that baked the first packing's offsets in would give the later ones its samples)."""
+    model = _model(tiny_config(model_type)).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        for lengths in ((6, 9, 5), (10, 10), (1, 18, 1), (20,), (3, 3, 3, 3, 8)):  # all 20 tokens
+            batch = _row(lengths, seed=sum(x * x for x in lengths))
+            assert_close(compiled(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits,
+                         atol=1e-5, rtol=0, what=f"compiled {model_type} {lengths}")
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "falcon_mamba", "kimi_linear"])
 def test_compiled_training_step_matches_eager(model_type: str) -> None:
     """Loss and every parameter gradient of a compiled packed step equal eager's, in float64."""
