@@ -1,7 +1,8 @@
 """A property battery over the input contract (README, "Input contract"): random mixes of boundary sources,
-mask forms, cache states and labels on one attention model and one hybrid per mixer family. The oracle:
-every sample's logits equal stock on that sample alone, or the call is refused with one of the documented
-errors. Anything else (a wrong result, an internal error) fails."""
+mask forms, cache states, labels and non-finite values (NaN or inf in one sample's input embeddings) on one
+attention model and one hybrid per mixer family. The oracle: every clean sample's logits equal stock on that
+sample alone (a poisoned sample is not finite), or the call is refused with one of the documented errors.
+Anything else (a wrong result, an internal error, a non-finite value in another sample) fails."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ inputs = st.fixed_dictionaries({
     "mask": st.sampled_from(["none", "ones", "tail padding", "4-D causal"]),
     "cache": st.sampled_from(["default", "off", "explicit empty"]),
     "labels": st.sampled_from(["none", "collator", "input_ids"]),
+    "poison": st.sampled_from(["none", "nan", "inf"]),
 })
 
 
@@ -81,6 +83,12 @@ def _call(model_type: str, case: dict) -> tuple[dict, list[torch.Tensor], int]:
 def test_every_input_is_exact_or_a_documented_refusal(model_type: str, case: dict) -> None:
     model, stock = shared_pair(model_type)
     call, samples, real = _call(model_type, case)
+    poisoned = len(samples) // 2 if case["poison"] != "none" else None
+    if poisoned is not None:  # one token of one sample: NaN or inf in its input embedding
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(call.pop("input_ids"))
+        embeds[0, sum(case["lengths"][:poisoned]) + case["lengths"][poisoned] // 2, :3] = float(case["poison"])
+        call["inputs_embeds"] = embeds
     try:
         with torch.no_grad():
             logits = model(**call).logits[0]
@@ -89,5 +97,8 @@ def test_every_input_is_exact_or_a_documented_refusal(model_type: str, case: dic
         return
     with torch.no_grad():
         for index, (piece, sample) in enumerate(zip(logits[:real].split(case["lengths"]), samples)):
+            if index == poisoned:
+                assert not torch.isfinite(piece).all(), f"{model_type} {case}: the poisoned sample came out finite"
+                continue
             alone = stock(input_ids=sample[None], use_cache=False).logits[0]
             assert_close(piece, alone, atol=TOLERANCE[model_type], rtol=0, what=f"{model_type} {case} sample {index}")
