@@ -24,9 +24,9 @@ def fresh_pair(model_type: str, *, dtype: torch.dtype = torch.float64, seed: int
 
 
 @cache
-def shared_pair(model_type: str):
-    """A cached float64 pair: callers must leave weights unchanged and zero their gradients."""
-    return fresh_pair(model_type)
+def shared_pair(model_type: str, dtype: torch.dtype = torch.float64):
+    """A cached pair (float64 by default): callers must leave weights unchanged and zero their gradients."""
+    return fresh_pair(model_type, dtype=dtype)
 
 
 def samples_of(lengths: list[int], *, seed: int = 0, vocab: int = 128) -> list[list[int]]:
