@@ -50,6 +50,7 @@ __all__ = [
     "apply_model_hook",
     "boundaries_for",
     "boundaries_for_call",
+    "class_forward_parameters",
     "current",
     "enter_native",
     "exit_native",
@@ -180,8 +181,8 @@ class ForwardParameters:
 
 
 @cache
-def _model_parameters(cls: type) -> ForwardParameters:
-    """Parameters of ``cls.forward``, ``self`` included."""
+def class_forward_parameters(cls: type) -> ForwardParameters:
+    """Parameters of ``cls.forward``, ``self`` included; read once per class."""
     return ForwardParameters.of(cls.forward)
 
 
@@ -374,7 +375,7 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     _push(None)
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
-    parameters = _model_parameters(type(module))
+    parameters = class_forward_parameters(type(module))
     takes_kwargs = parameters.var_keyword is not None
     bound = parameters.bind((module, *args), kwargs)
     arguments = {**bound.pop(parameters.var_keyword, {}), **bound} if takes_kwargs else dict(bound)

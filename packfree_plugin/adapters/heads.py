@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, boundaries_for, current
+from ..context import boundaries_for, class_forward_parameters, current
 
 __all__ = ["first_token_index", "last_token_index", "wrap_heads"]
 
@@ -126,18 +126,13 @@ def _labels_per_sample(labels: Any, boundaries: Boundaries, name: str) -> None:
         )
 
 
-@functools.cache
-def _head_parameters(cls: type) -> ForwardParameters:
-    return ForwardParameters.of(cls.forward)
-
-
 def _head_forward(model: nn.Module, *args, **kwargs):
     """The forward of a wrapped head (``functools.partial(_head_forward, model)`` in its ``__dict__``)."""
     forward = functools.partial(type(model).forward, model)
     boundaries = boundaries_for(kwargs)
     if boundaries is None or not boundaries.is_packed:
         return forward(*args, **kwargs)
-    parameters = _head_parameters(type(model))
+    parameters = class_forward_parameters(type(model))
     arguments = parameters.bind((model, *args), kwargs)
     arguments.pop("self", None)
     _labels_per_sample(arguments.get("labels"), boundaries, type(model).__name__)

@@ -49,13 +49,15 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, current
+from ..context import class_forward_parameters, current
 from .generic import run_unpacked
+from .instance import install, own_forward, own_parameters
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
            "DenseMaskAttention", "PositionAdapter", "register_position_adapter", "wrap_positions"]
 
-_EARLIER_FORWARD = "_packfree_earlier_position_forward"
+_TAG = "position_"
+"""Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
 _DECODER_HOOK = "_packfree_decoder_inputs_hook"
 
 Rule = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
@@ -191,27 +193,6 @@ register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings"
                                                 "TrOCR's sinusoidal positions count the non-padding tokens"))
 
 # ---------------------------------------------------------------------------------------- the wrapper
-_PARAMETERS: dict[type, ForwardParameters] = {}
-"""Module class -> parameters of its own ``forward``."""
-_EARLIER_PARAMETERS = "_packfree_earlier_position_forward_parameters"
-
-
-def _parameters(module: nn.Module) -> ForwardParameters:
-    """Parameters of the module's own forward (its class's, or one set on the instance before packfree)."""
-    earlier = module.__dict__.get(_EARLIER_PARAMETERS)
-    if earlier is not None:
-        return earlier
-    parameters = _PARAMETERS.get(type(module))
-    if parameters is None:
-        parameters = _PARAMETERS[type(module)] = ForwardParameters.of(functools.partial(type(module).forward, module))
-    return parameters
-
-
-def _own_forward(module: nn.Module) -> Callable:
-    earlier = module.__dict__.get(_EARLIER_FORWARD)
-    return earlier if earlier is not None else functools.partial(type(module).forward, module)
-
-
 def _row_length(arguments: dict[str, Any]) -> int | None:
     """``T`` of the module's input: its first ``[B, T, ...]`` tensor, ``(B, T)`` shape or ``[T]`` positions."""
     for value in arguments.values():
@@ -225,11 +206,11 @@ def _row_length(arguments: dict[str, Any]) -> int | None:
 def _position_forward(module: nn.Module, *args, **kwargs):
     """The forward every covered embedding module gets, as ``functools.partial(_position_forward, module)``
     in its ``__dict__`` (picklable; a deep copy binds to the copy)."""
-    forward = _own_forward(module)
+    forward = own_forward(module, tag=_TAG)
     boundaries = current()
     if boundaries is None or not boundaries.is_packed:
         return forward(*args, **kwargs)  # one sample per row: the module numbers it as stock does
-    parameters = _parameters(module)
+    parameters = own_parameters(module, tag=_TAG)
     arguments = parameters.bind(args, kwargs)
     numbering = POSITION_ADAPTERS[type(module).__name__].numbering
     length = _row_length(arguments)
@@ -276,12 +257,6 @@ def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tenso
     return shifted.view_as(input_ids)
 
 
-@functools.cache
-def _model_parameters(cls: type) -> ForwardParameters:
-    """Parameters of ``cls.forward``, ``self`` included."""
-    return ForwardParameters.of(cls.forward)
-
-
 @torch.compiler.disable  # reads the packing on the host: a graph break, not a recompile per packing
 def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """On a packed row without decoder inputs, pass the per-sample shift of the argument the model would shift
@@ -290,7 +265,7 @@ def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tu
     boundaries = current()
     if boundaries is None or not boundaries.is_packed:
         return None
-    parameters = _model_parameters(type(module))
+    parameters = class_forward_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
     source = arguments.get(SHIFTED_DECODER_INPUTS[type(module).__name__])
     if (not isinstance(source, torch.Tensor) or source.ndim != 2 or not boundaries.describes(*source.shape)
@@ -353,7 +328,7 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     """Such a layer's forward with the mask it expects: packfree's boundaries (training, scoring, prefill) as the
     block-diagonal additive mask of their segments; transformers' boolean ``sdpa`` mask (decoding) as additive."""
     entry = DENSE_MASK_ATTENTION[type(module).__name__]
-    parameters = _parameters(module)
+    parameters = own_parameters(module, tag=_TAG)
     arguments = parameters.bind(args, kwargs)
     hidden = arguments["hidden_states"]
     encoder = arguments.get(entry.cross_input) if entry.cross_input else None
@@ -382,7 +357,7 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
         arguments[mask_name] = torch.zeros((), dtype=hidden.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(hidden.dtype).min)
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
-    return _own_forward(module)(**arguments, **extra)
+    return own_forward(module, tag=_TAG)(**arguments, **extra)
 
 
 def _replacement(name: str) -> Callable | None:
@@ -410,12 +385,6 @@ def wrap_positions(model: nn.Module) -> list[str]:
         replacement = _replacement(name)
         if replacement is None:
             continue
-        forward = module.__dict__.get("forward")
-        if not (isinstance(forward, functools.partial) and forward.func is replacement):
-            if forward is not None:
-                module.__dict__[_EARLIER_FORWARD] = forward
-                module.__dict__[_EARLIER_PARAMETERS] = ForwardParameters.of(forward)
-            _parameters(module)  # read the forward's parameters now, outside any compiled region
-            module.forward = functools.partial(replacement, module)
+        install(module, replacement, tag=_TAG)
         wrapped.append(path)
     return wrapped

@@ -16,7 +16,6 @@ models do), else the per-forward context's stack, which the decoder-layer hook f
 from __future__ import annotations
 
 import copy
-import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,12 +28,11 @@ from transformers.utils import ModelOutput
 from ..boundaries import Boundaries
 from ..context import ForwardParameters, boundaries_for
 from .generic import run_unpacked
+from .instance import install, own_forward, own_parameters
 from .routes import routed_kernels_of
 
 __all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "check_coverage", "dense_causal_mask", "positions_per_sample",
            "register_adapter", "wrap_mixers"]
-
-_EARLIER_FORWARD = "_packfree_earlier_forward"
 
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
@@ -163,7 +161,7 @@ the others (attention weights ``[n, H, L, L]``) come back None."""
 @torch.compiler.disable  # per-sample groups follow the packing: compiled, every new packing would recompile
 def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
              arguments: dict[str, Any]) -> Any:
-    parameters = _parameters(layer)
+    parameters = own_parameters(layer)
     given = arguments.pop("kwargs", {})
     extra = {name: value for name, value in given.items() if name not in _DROPPED_KWARGS}
     token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
@@ -232,7 +230,7 @@ def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, bo
             additive_dtype=hidden.dtype if adapter.attention == "eager" else None, causal=causal,
             keys=~boundaries.padding_tokens if boundaries.has_padding else None)
     return original(**{k: v for k, v in arguments.items() if k != "packfree_boundaries" and k not in _BOUNDARY_INPUTS
-                       and _parameters(layer).accepts(k)})
+                       and own_parameters(layer).accepts(k)})
 
 
 class _StockAttention:
@@ -284,39 +282,11 @@ def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
     return mask
 
 
-_PARAMETERS: dict[type, ForwardParameters] = {}
-"""Mixer class -> parameters of its own ``forward``; filled by :func:`wrap_mixers` when a model is prepared."""
-_EARLIER_PARAMETERS = "_packfree_earlier_forward_parameters"
-
-
-def _parameters(layer: nn.Module) -> ForwardParameters:
-    """Parameters of the layer's own forward (:func:`_own_forward`)."""
-    earlier = layer.__dict__.get(_EARLIER_PARAMETERS)
-    if earlier is not None:
-        return earlier
-    parameters = _PARAMETERS.get(type(layer))
-    if parameters is None:  # a model unpickled in a new process: its classes were never prepared here
-        parameters = _PARAMETERS[type(layer)] = ForwardParameters.of(functools.partial(type(layer).forward, layer))
-    return parameters
-
-
-def _own_forward(layer: nn.Module) -> Callable:
-    """The layer's forward as it was before packfree: one set on the instance earlier (e.g. by accelerate's
-    hooks), else its class's."""
-    earlier = layer.__dict__.get(_EARLIER_FORWARD)
-    return earlier if earlier is not None else functools.partial(type(layer).forward, layer)
-
-
-def _is_wrapped(layer: nn.Module) -> bool:
-    forward = layer.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _mixer_forward
-
-
 def _mixer_forward(layer: nn.Module, *args, **kwargs):
     """The forward every covered mixer gets, as ``functools.partial(_mixer_forward, layer)`` in the layer's
     ``__dict__``: picklable, and a deep copy binds to the copy."""
     adapter = adapter_for(type(layer))
-    original = _own_forward(layer)
+    original = own_forward(layer)
     boundaries = boundaries_for(kwargs)
     if adapter.attention is not None:
         return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
@@ -324,7 +294,7 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # one sample per row: the layer's own forward is exact; boundary inputs would only make
         # transformers' kernel fallbacks refuse the call
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-    arguments = _parameters(layer).bind(args, kwargs)
+    arguments = own_parameters(layer).bind(args, kwargs)
     hidden = arguments.get(adapter.hidden_arg)
     if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
         return original(*args, **kwargs)
@@ -339,7 +309,7 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
 
 def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
                        *args, **kwargs):
-    arguments = _parameters(layer).bind(args, kwargs)
+    arguments = own_parameters(layer).bind(args, kwargs)
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
         fits = boundaries is not None and boundaries.describes(*hidden.shape[:2])
@@ -368,12 +338,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         adapter = adapter_for(type(module))
         if adapter is None:
             continue
-        if not _is_wrapped(module):
-            if "forward" in module.__dict__:
-                module.__dict__[_EARLIER_FORWARD] = module.__dict__["forward"]
-                module.__dict__[_EARLIER_PARAMETERS] = ForwardParameters.of(module.__dict__["forward"])
-            _parameters(module)  # read the forward's parameters now, outside any compiled region
-            module.forward = functools.partial(_mixer_forward, module)
+        install(module, _mixer_forward)
         if adapter.native is not None:
             routed_kernels_of(module)
         wrapped.append((path, adapter.tier))
