@@ -104,3 +104,12 @@ class CountingBackend:
             return graph_module.forward(*args)
 
         return run
+
+
+def print_uncaptured(request: pytest.FixtureRequest, lines: list[str]) -> None:
+    """Print ``lines`` past pytest's output capture (a module's measured figures, after its tests)."""
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if capture is None or not lines:
+        return
+    with capture.global_and_fixture_disabled():
+        print("\n" + "\n".join(lines))

@@ -52,6 +52,7 @@ from ..boundaries import Boundaries
 from ..context import class_forward_parameters, current
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
+from .registry import register_by_class_name
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
            "DenseMaskAttention", "PositionAdapter", "register_position_adapter", "wrap_positions"]
@@ -87,11 +88,7 @@ POSITION_ADAPTERS: dict[str, PositionAdapter] = {}
 
 
 def register_position_adapter(adapter: PositionAdapter) -> PositionAdapter:
-    for name in adapter.class_names:
-        if name in POSITION_ADAPTERS and POSITION_ADAPTERS[name] != adapter:
-            raise ValueError(f"{name} already has a position adapter ({POSITION_ADAPTERS[name].family})")
-        POSITION_ADAPTERS[name] = adapter
-    return adapter
+    return register_by_class_name(POSITION_ADAPTERS, adapter)
 
 
 # ------------------------------------------------------------------------------------ numbering rules

@@ -105,12 +105,17 @@ REGISTRY: dict[str, MixerAdapter] = {}
 """Layer class name -> adapter."""
 
 
-def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
+def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
+    """Enter ``adapter`` in ``table`` under each of its ``class_names``; a name another adapter holds raises."""
     for name in adapter.class_names:
-        if name in REGISTRY and REGISTRY[name] != adapter:
-            raise ValueError(f"{name} already has an adapter ({REGISTRY[name].family})")
-        REGISTRY[name] = adapter
+        if name in table and table[name] != adapter:
+            raise ValueError(f"{name} already has an adapter ({table[name].family})")
+        table[name] = adapter
     return adapter
+
+
+def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
+    return register_by_class_name(REGISTRY, adapter)
 
 
 def adapter_for(cls: type) -> MixerAdapter | None:

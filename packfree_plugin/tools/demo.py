@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "compare_training", "demo_config",
-           "run_demo", "tokenize_gsm8k", "train"]
+__all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
+           "demo_config", "run_demo", "tokenize_gsm8k", "train"]
 
 
 @dataclass
@@ -135,16 +135,18 @@ def demo_config(model_type: str, vocab_size: int, *, hidden_size: int = 128, num
     return config
 
 
-def _build(config, attn_implementation: str, state: Mapping[str, torch.Tensor] | None = None, seed: int = 0):
-    from transformers import AutoModelForCausalLM
+def build_model(config, attn_implementation: str, state: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
+                *, auto_class: str = "AutoModelForCausalLM"):
+    """A float32 model of ``config`` (copied) through ``transformers.<auto_class>``, with ``state`` if given."""
+    import transformers
 
     if attn_implementation == "packfree":
         from ..registration import register
 
         register()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
-                                             dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
+                                                          dtype=torch.float32)
     if state is not None:
         model.load_state_dict(state)
     return model
@@ -261,17 +263,17 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
     samples, vocab = tokenize_gsm8k(count, data_file=options.data_file, max_tokens=options.max_tokens,
                                     progress=options.progress)
     config = demo_config(options.model_type, vocab, hidden_size=options.hidden_size, num_layers=options.num_layers)
-    initial = _build(config, "eager", seed=options.seed).state_dict()
+    initial = build_model(config, "eager", seed=options.seed).state_dict()
     initial = {k: v.clone() for k, v in initial.items()}
     common = dict(steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                   seed=options.seed, out=options.out, progress=options.progress)
     try:
-        padded_model = _build(config, "sdpa", initial, options.seed)
+        padded_model = build_model(config, "sdpa", initial, options.seed)
     except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager
-        padded_model = _build(config, "eager", initial, options.seed)
+        padded_model = build_model(config, "eager", initial, options.seed)
     features = [{"input_ids": sample} for sample in samples]
     padded = train(padded_model, features, PaddedCollator(), label="padded", **common)
-    packed_model = _build(config, "packfree", initial, options.seed)
+    packed_model = build_model(config, "packfree", initial, options.seed)
     packed = train(packed_model, features, StepPacker(options.max_tokens), label="packed", **common)
     return {"padded": padded, "packed": packed, "config": config, "vocab": vocab, "samples": count,
             "padded_model": padded_model, "packed_model": packed_model}
@@ -283,11 +285,11 @@ def _audit_trained(packed_model, config) -> tuple[Any, Any]:
     from ..verify import audit
 
     state = packed_model.state_dict()
-    mine = _build(config, "packfree", state).double().eval()
+    mine = build_model(config, "packfree", state).double().eval()
     try:
-        stock = _build(config, "sdpa", state).double().eval()
+        stock = build_model(config, "sdpa", state).double().eval()
     except ValueError:
-        stock = _build(config, "eager", state).double().eval()
+        stock = build_model(config, "eager", state).double().eval()
     return audit(mine), audit(stock)
 
 
@@ -334,6 +336,21 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def throughput_table(padded: RunResult, packed: RunResult) -> list[str]:
+    """Markdown rows: tokens, padding, efficiency, time and throughput of both runs."""
+    return ["| run | attention | real tokens | tokens run (with padding) | packing efficiency | train s | "
+            "real tokens/s after warm-up |", "|---|---|---:|---:|---:|---:|---:|",
+            *(f"| {run.label} | {run.attn_implementation} | {run.real_tokens:,} | {run.slot_tokens:,} | "
+              f"{run.efficiency:.1%} | {run.seconds:.1f} | {run.tokens_per_second:,.0f} |" for run in (padded, packed))]
+
+
+def loss_table(padded: RunResult, packed: RunResult) -> list[str]:
+    """Markdown rows: both runs' loss at every step, and their difference."""
+    return ["| step | padded loss | packed loss | difference |", "|---:|---:|---:|---:|",
+            *(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |"
+              for step, (a, b) in enumerate(zip(padded.losses, packed.losses), start=1))]
+
+
 def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], audits: tuple[Any, Any]) -> Path:
     padded, packed = result["padded"], result["packed"]
     summary = summarize(result)
@@ -352,12 +369,8 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         "",
         "## Throughput",
         "",
-        "| run | attention | real tokens | tokens run (with padding) | packing efficiency | train s | real tokens/s after warm-up |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        *throughput_table(padded, packed),
     ]
-    for run in (padded, packed):
-        lines.append(f"| {run.label} | {run.attn_implementation} | {run.real_tokens:,} | {run.slot_tokens:,} | "
-                     f"{run.efficiency:.1%} | {run.seconds:.1f} | {run.tokens_per_second:,.0f} |")
     lines += [
         "",
         f"**Speedup: {summary['speedup']:.2f}x** real tokens/s, packfree over padded (same machine, same run; "
@@ -371,11 +384,8 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         f"(relative {summary['max_rel_loss_diff']:.2e}); loss went {summary['first_loss']:.3f} -> "
         f"{summary['last_loss']:.3f}.",
         "",
-        "| step | padded loss | packed loss | difference |",
-        "|---:|---:|---:|---:|",
+        *loss_table(padded, packed),
     ]
-    for step, (a, b) in enumerate(zip(padded.losses, packed.losses), start=1):
-        lines.append(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
     lines += [
         "",
         "## Isolation audit (trained weights, float64)",

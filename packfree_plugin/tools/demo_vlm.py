@@ -16,7 +16,6 @@ Data flows top to bottom:
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,13 +25,15 @@ from typing import Any
 
 import torch
 
-from .demo import WARMUP_STEPS, _plot, _tokenizer, default_threads, summarize, train
+from .demo import (WARMUP_STEPS, _plot, _tokenizer, build_model, default_threads, loss_table, summarize,
+                   throughput_table, train)
 
 __all__ = ["PaddedVisionCollator", "VisionDemoOptions", "run_vision_demo", "vision_config", "vision_samples"]
 
 PATCH = 14
 MERGE = 2
 """Qwen2-VL's patch size and its 2 x 2 merge of patches into one image token."""
+_AUTO = "AutoModelForImageTextToText"
 
 
 @dataclass
@@ -107,17 +108,6 @@ def vision_config(vocab_size: int, special: SpecialIds, *, hidden_size: int = 12
     )
 
 
-def _build(config, attn_implementation: str, state: Mapping[str, torch.Tensor] | None = None, seed: int = 0):
-    from transformers import Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration._from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
-                                                         dtype=torch.float32)
-    if state is not None:
-        model.load_state_dict(state)
-    return model
-
-
 class PaddedVisionCollator:
     """Right-pad a step's samples to its longest (stock batching): ``attention_mask`` marks the padding, labels are
     -100 there, the images are concatenated in sample order."""
@@ -168,14 +158,14 @@ def compare_vision_training(options: VisionDemoOptions) -> dict[str, Any]:
         register()
         features, vocab, special = vision_samples()
         config = vision_config(vocab, special, hidden_size=options.hidden_size, num_layers=options.num_layers)
-        initial = {k: v.clone() for k, v in _build(config, "eager", seed=options.seed).state_dict().items()}
+        initial = build_model(config, "eager", seed=options.seed, auto_class=_AUTO).state_dict()
         epochs = features * options.epochs
         steps = len(epochs) // options.batch_size
         common = dict(steps=steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                       seed=options.seed, out=options.out, progress=options.progress)
-        padded_model = _build(config, "sdpa", initial, options.seed)
+        padded_model = build_model(config, "sdpa", initial, options.seed, auto_class=_AUTO)
         padded = train(padded_model, epochs, PaddedVisionCollator(special.pad), label="padded", **common)
-        packed_model = _build(config, "packfree", initial, options.seed)
+        packed_model = build_model(config, "packfree", initial, options.seed, auto_class=_AUTO)
         collator = _CountingCollator(VisionPackedCollator(packed_model, pad_token_id=special.pad))
         packed = train(packed_model, epochs, collator, label="packed", **common)
     finally:
@@ -195,12 +185,8 @@ def write_vision_report(out: Path, options: VisionDemoOptions, result: Mapping[s
         f"(4 to 16 image tokens each), {options.epochs} epochs in the same order in both runs, {options.batch_size} "
         f"samples a step, {result['steps']} steps. HF `Trainer`, AdamW lr {options.learning_rate}.",
         "",
-        "| run | attention | real tokens | tokens run (with padding) | packing efficiency | real tokens/s after warm-up |",
-        "|---|---|---:|---:|---:|---:|",
+        *throughput_table(padded, packed),
     ]
-    for run in (padded, packed):
-        lines.append(f"| {run.label} | {run.attn_implementation} | {run.real_tokens:,} | {run.slot_tokens:,} | "
-                     f"{run.efficiency:.1%} | {run.tokens_per_second:,.0f} |")
     lines += [
         "",
         f"**Speedup: {summary['speedup']:.2f}x** (padding ceiling {summary['padding_ceiling']:.2f}x; each run's first "
@@ -208,10 +194,7 @@ def write_vision_report(out: Path, options: VisionDemoOptions, result: Mapping[s
         f"**{summary['max_loss_diff']:.2e}** (relative {summary['max_rel_loss_diff']:.2e}); loss went "
         f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}.",
         "",
-        "| step | padded loss | packed loss | difference |",
-        "|---:|---:|---:|---:|",
-        *(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |"
-          for step, (a, b) in enumerate(zip(padded.losses, packed.losses), start=1)),
+        *loss_table(padded, packed),
         "",
         "![loss and throughput](demo-vlm.png)",
         "",

@@ -23,7 +23,7 @@ from transformers import DataCollatorWithFlattening
 
 import packfree_plugin
 from packfree_plugin.gate.shrink import tiny_config_for
-from tests.conftest import assert_close
+from tests.conftest import assert_close, print_uncaptured
 
 FAMILIES: dict[str, tuple[str, dict]] = {
     # model type -> (class, config overrides): each row one attention form
@@ -200,13 +200,8 @@ def test_what_cannot_be_exact_is_refused_at_load(name: str) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def report_max_differences(request):
     yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if capture is None or not MAX_DIFF:
-        return
-    with capture.global_and_fixture_disabled():
-        print("\nmax |packfree - stock| per family (float64; generate: float32):")
-        for name, diff in sorted(MAX_DIFF.items()):
-            print(f"  {name:20s} {diff:.2e}")
+    print_uncaptured(request, ["max |packfree - stock| per family (float64; generate: float32):"] * bool(MAX_DIFF)
+                     + [f"  {name:20s} {diff:.2e}" for name, diff in sorted(MAX_DIFF.items())])
 
 
 # ------------------------------------------------------------------------------------- chunked attention, unit level

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import packfree_plugin
 from packfree_plugin.adapters.registry import check_coverage
-from tests.conftest import assert_close
+from tests.conftest import assert_close, print_uncaptured
 from packfree_plugin.catalogue import CATALOGUE, catalogue_config
 
 LENGTHS = [7, 1, 12, 3]  # longer than the tiny block / chunk / window / compression sizes of the configs
@@ -280,10 +280,6 @@ def one_thread():
 @pytest.fixture(scope="module", autouse=True)
 def report_max_differences(request):
     yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if capture is None or not MAX_DIFF:
-        return
-    with capture.global_and_fixture_disabled():
-        print("\nmax |packed - alone| per model type (tolerance):")
-        for model_type, diff in sorted(MAX_DIFF.items()):
-            print(f"  {model_type:22s} {diff:.2e}  ({tolerance(model_type):.0e})")
+    print_uncaptured(request, ["max |packed - alone| per model type (tolerance):"] * bool(MAX_DIFF)
+                     + [f"  {model_type:22s} {diff:.2e}  ({tolerance(model_type):.0e})"
+                        for model_type, diff in sorted(MAX_DIFF.items())])
