@@ -27,6 +27,7 @@ from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
 from ..context import ForwardParameters, boundaries_for
+from ..ops._nonfinite import Quarantine
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .routes import routed_kernels_of
@@ -308,8 +309,26 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     if adapter.native is not None:
-        return adapter.native(layer, original, boundaries, arguments)
+        return _quarantined(adapter, boundaries, arguments, lambda inputs: adapter.native(layer, original, boundaries,
+                                                                                             inputs))
     return _generic(adapter, layer, original, boundaries, arguments)
+
+
+def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[str, Any],
+                 run: Callable[[dict[str, Any]], Any]) -> Any:
+    """``run(arguments)`` with a sample whose input hidden states hold NaN/inf taken out of the mixing (zeros in, NaN
+    out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (packfree's
+    torch ops quarantine inside as well; fla, mamba-ssm and causal-conv1d do not). Finite inputs pass unchanged."""
+    hidden = arguments[adapter.hidden_arg]
+    quarantine = Quarantine(boundaries.seq_idx.to(hidden.device), [(hidden, 1)])
+    (arguments[adapter.hidden_arg],) = quarantine.clean()
+    out = run(arguments)
+    if adapter.output_index is None:
+        return quarantine.mark(out)
+    indices = {adapter.output_index} if isinstance(adapter.output_index, int) else set(adapter.output_index)
+    marked = [quarantine.mark(value) if i in indices and isinstance(value, torch.Tensor) else value
+              for i, value in enumerate(out)]
+    return marked if isinstance(out, list) else tuple(marked)
 
 
 def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,

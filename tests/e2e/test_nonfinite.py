@@ -87,3 +87,36 @@ def test_one_type_per_family(model_type: str, value: float):
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t not in REPRESENTATIVES])
 def test_every_covered_type(model_type: str):
     _check(model_type, float("nan"))
+
+
+class _NoQuarantine:
+    """Stands in for :class:`packfree_plugin.ops._nonfinite.Quarantine` inside packfree's ops: a kernel that mixes a
+    poisoned sample's NaN into its neighbours, as the CUDA kernels (fla, mamba-ssm, causal-conv1d) may."""
+
+    def __init__(self, seq_idx, per_token, initial_state=None):
+        self.per_token = per_token
+
+    def clean(self):
+        return [t for t, _ in self.per_token]
+
+    def clean_state(self, state):
+        return state
+
+    def mark(self, y, time_dim=1):
+        return y
+
+    def mark_states(self, final, offsets):
+        return final
+
+
+@pytest.mark.parametrize("model_type", sorted(REPRESENTATIVES))
+def test_kernels_that_do_not_isolate_are_covered_by_the_mixer(model_type: str, monkeypatch):
+    """The native tier quarantines a sample whose mixer input is non-finite before any kernel runs, so isolation
+    does not depend on the kernel (here packfree's own ops with their quarantine taken out)."""
+    import importlib
+
+    for name in ("gated_delta.fast", "linear_attention.fast", "selective_scan.fast", "ssd.fast", "lru.fast"):
+        module = importlib.import_module(f"packfree_plugin.ops.{name}")
+        if hasattr(module, "Quarantine"):
+            monkeypatch.setattr(module, "Quarantine", _NoQuarantine)
+    _check(model_type, float("nan"))
