@@ -24,8 +24,9 @@ def _inputs(T: int, B: int, C: int, K: int, bias: bool, seed: int = 0, dtype=F64
     return x, w, b
 
 
+@pytest.mark.parametrize("path", ["boundary rows", "dense masks", "spread"])  # every path on every run
 @given(data=st.data())
-def test_packed_matches_per_sample(kit, data):
+def test_packed_matches_per_sample(kit, path, data):
     K = data.draw(st.integers(1, 4), label="K")
     rows = kit.draw_rows(data, chunk=max(K, 2))
     seq_idx = kit.seq_idx_of(rows)
@@ -36,8 +37,8 @@ def test_packed_matches_per_sample(kit, data):
     if B == 1 and data.draw(st.booleans(), label="cu_seqlens"):
         kw = {"cu_seqlens": kit.cu_seqlens_of(rows[0], data.draw(st.sampled_from([torch.int32, torch.int64])))}
     tiny_tiles = data.draw(st.booleans(), label="tiny_tiles")  # many tiles of 4K tokens
-    dense = data.draw(st.booleans(), label="dense_masks")  # the no-host-sync path of non-CPU devices
-    spread = data.draw(st.booleans(), label="spread")  # small rows: K - 1 zero tokens before every sample
+    dense = path == "dense masks"  # the no-host-sync path of non-CPU devices
+    spread = path == "spread"  # small rows: K - 1 zero tokens before every sample
     saved = conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU, conv_masked._SPREAD_UP_TO_BYTES
     conv_masked._TILE_BYTES = 1 if tiny_tiles else saved[0]
     conv_masked._SPARSE_ON_CPU = not dense
