@@ -318,7 +318,11 @@ def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[
                  run: Callable[[dict[str, Any]], Any]) -> Any:
     """``run(arguments)`` with a sample whose input hidden states hold NaN/inf taken out of the mixing (zeros in, NaN
     out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (packfree's
-    torch ops quarantine inside as well; fla, mamba-ssm and causal-conv1d do not). Finite inputs pass unchanged."""
+    torch ops quarantine inside as well; fla, mamba-ssm and causal-conv1d do not). Finite inputs pass unchanged.
+    Compiled graphs skip it: its per-token sample index follows the packing, which graphs take as data only inside
+    packfree's opaque op (whose torch ops quarantine on their own)."""
+    if torch.compiler.is_compiling():
+        return run(arguments)
     hidden = arguments[adapter.hidden_arg]
     quarantine = Quarantine(boundaries.seq_idx.to(hidden.device), [(hidden, 1)])
     (arguments[adapter.hidden_arg],) = quarantine.clean()
