@@ -195,6 +195,11 @@ OWN_ATTENTION = register_adapter(MixerAdapter(
           "GPT-NeoX-Japanese: returns its dense bias, a parameter); GPT-Neo and GIT pick it from a table "
           "(IMPLEMENTATION_TABLES)",
 ))
+BARK_ATTENTION = register_adapter(MixerAdapter(
+    "bark_attention", ("BarkSelfAttention",), output_index=0, attention="eager", causal=lambda layer: layer.is_causal,
+    notes="Bark's attention of its own (picked from a table, IMPLEMENTATION_TABLES): causal in the semantic and "
+          "coarse models, bidirectional in the fine one",
+))
 OPENAI_ATTENTION = register_adapter(MixerAdapter(
     "openai_attention", ("openai.Attention",), hidden_arg="x", output_index=0, attention="eager",
     notes="OpenAI GPT: its causal buffer is added to the scores; the model's mask is 2-D padding only",
@@ -260,21 +265,29 @@ IMPLEMENTATION_TABLES: dict[str, tuple[str, str]] = {
     "transformers.models.gpt_neo.modeling_gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", "eager"),
     "transformers.models.falcon.modeling_falcon": ("FALCON_ATTENTION_CLASSES", "sdpa"),
     "transformers.models.git.modeling_git": ("GIT_SELF_ATTENTION_CLASSES", "eager"),
+    "transformers.models.bark.modeling_bark": ("BARK_ATTENTION_CLASSES", "eager"),
+    # vision towers (SAM-style image encoders inside DeepSeek-OCR2, DeepSeek-VL-hybrid, ...): they attend over
+    # their own patches, never along a packed text row, so stock's class is exact as it is
+    "transformers.models.sam.modeling_sam": ("SAM_VISION_ATTENTION_CLASSES", "sdpa"),
+    "transformers.models.sam_hq.modeling_sam_hq": ("SAM_HQ_VISION_ATTENTION_CLASSES", "sdpa"),
+    "transformers.models.deepseek_ocr2.modeling_deepseek_ocr2": ("DEEPSEEK_OCR2_SAM_VISION_ATTENTION_CLASSES", "sdpa"),
+    "transformers.models.unlimited_ocr.modeling_unlimited_ocr": ("UNLIMITED_OCR_SAM_VISION_ATTENTION_CLASSES", "sdpa"),
 }
-"""Modeling module -> (its table of attention classes by implementation, the entry ``"packfree"`` gets). The class
-found there is covered by an adapter above, which runs it per sample under that stock implementation."""
+"""Modeling module -> (its table of attention classes by implementation, the entry ``"packfree"`` gets). A class
+found there that attends along the text row is covered by an adapter above, which runs it per sample under that
+stock implementation."""
 _ADDED: list[dict] = []
 
 
 def add_implementation_entry(model_class: type) -> None:
-    """Give ``model_class``'s modeling module's attention-class table a ``"packfree"`` entry (idempotent)."""
-    table = IMPLEMENTATION_TABLES.get(model_class.__module__)
-    if table is None:
-        return
-    classes = getattr(sys.modules[model_class.__module__], table[0])
-    if "packfree" not in classes:
-        classes["packfree"] = classes[table[1]]
-        _ADDED.append(classes)
+    """Give every attention-class table of :data:`IMPLEMENTATION_TABLES` whose module is loaded (``model_class``'s own,
+    and those of the towers it builds, which its module imported) a ``"packfree"`` entry (idempotent)."""
+    for module_name, (table_name, implementation) in IMPLEMENTATION_TABLES.items():
+        module = sys.modules.get(module_name)
+        classes = getattr(module, table_name, None) if module is not None else None
+        if classes is not None and "packfree" not in classes:
+            classes["packfree"] = classes[implementation]
+            _ADDED.append(classes)
 
 
 def remove_implementation_entries() -> None:

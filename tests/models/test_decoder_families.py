@@ -258,3 +258,27 @@ def test_a_mask_pattern_packfree_does_not_compute_is_refused() -> None:
                     lambda batch, head, q, kv: kv <= q + 1):
         with pytest.raises(ValueError, match="does not compute"):
             _check_pattern(masks.and_masks(masks.causal_mask_function, unknown))
+
+
+@pytest.mark.parametrize(("model_type", "class_name", "sub_config"), [
+    ("bark", "BarkSemanticModel", "semantic_config"),  # its attention picked from a table, run per sample
+    ("bark", "BarkCoarseModel", "coarse_acoustics_config"),
+    ("deepseek_vl_hybrid", "DeepseekVLHybridForConditionalGeneration", None),  # a SAM tower picked from a table
+])
+def test_models_that_pick_attention_from_a_table_build_and_are_exact(model_type: str, class_name: str,
+                                                                      sub_config: str | None) -> None:
+    """They failed with KeyError: 'packfree' while building (bark; deepseek_vl_hybrid's SAM vision tower)."""
+    import transformers
+
+    from packfree_plugin.gate.admission import bypassed
+    from packfree_plugin.gate.proof import build_pair, prove
+    from packfree_plugin.gate.shrink import tiny_config_for
+
+    config = tiny_config_for(model_type)
+    if sub_config is not None:
+        config = getattr(config, sub_config)
+        config.block_size = 64  # Bark's block_size is its position table, not a chunk: room for the proof's row
+    with bypassed():
+        model, stock, implementation = build_pair(getattr(transformers, class_name), config)
+        proof = prove(model, stock, stock_name=implementation, diagnose=False)
+    assert proof.exact, proof.verdict()
