@@ -35,11 +35,16 @@ def _stock_pickles(model_type: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model_type", [t for t in ("qwen3_next", "mamba2", "lfm2") if _stock_pickles(t)])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2"])
 def test_saved_and_loaded_hybrid_still_packs_exactly(model_type: str, tmp_path) -> None:
     """``torch.save(model)`` / ``pickle`` of a prepared hybrid loads back into a model that still keeps packed samples
-    apart: each packed sample equals the stock twin on that sample alone."""
+    apart: each packed sample equals the stock twin on that sample alone. Where stock itself cannot be pickled
+    (transformers < 5.24), packfree's model fails the same way and adds no failure of its own."""
     model, stock = fresh_pair(model_type)
+    if not _stock_pickles(model_type):
+        with pytest.raises((AttributeError, pickle.PicklingError)):
+            pickle.dumps(model)
+        return
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     unpickled = pickle.loads(pickle.dumps(model))
