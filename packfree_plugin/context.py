@@ -306,6 +306,17 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
     (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
+    if isinstance(kwargs.get("attention_mask"), Boundaries):
+        # an outer model built packfree's mask and hands it to its inner model (PaliGemma to its Gemma): the inner
+        # model takes it as its boundaries and makes its own mask from them (transformers' mask helpers read an
+        # attention_mask as a tensor)
+        mask = kwargs["attention_mask"]
+        kwargs = {**kwargs, "attention_mask": None}
+        if class_forward_parameters(type(module)).var_keyword is None:
+            _push(mask)  # first: the post-hook pops even when the check raises
+            _check_given(mask, _call_tokens(args, kwargs))
+            return args, kwargs
+        kwargs.setdefault("packfree_boundaries", mask)
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is not None:
         tokens = _call_tokens(args, kwargs)

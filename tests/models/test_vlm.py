@@ -247,3 +247,20 @@ def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
             packfree_attention_mask(1, 7, 7, mask_function=chunked, use_vmap=True)
     finally:
         context._pop()
+
+
+def test_paligemma_hands_its_mask_to_gemma_and_packed_text_rows_are_exact() -> None:
+    """PaliGemma builds the mask and passes it to its Gemma as ``attention_mask``; Gemma makes its own mask from it
+    again, which read packfree's boundaries as a tensor (AttributeError 'ndim'). The inner model now takes them as its
+    boundaries: a packed row equals each sample alone on stock."""
+    import transformers
+
+    from packfree_plugin.gate.admission import bypassed
+    from packfree_plugin.gate.proof import build_pair, prove
+    from packfree_plugin.gate.shrink import tiny_config_for
+
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.PaliGemmaForConditionalGeneration,
+                                                  tiny_config_for("paligemma"))
+        proof = prove(model, stock, stock_name=implementation, diagnose=False)
+    assert proof.exact, proof.verdict()
