@@ -304,16 +304,6 @@ def _or_code() -> object:
     return masks.or_masks(masks.causal_mask_function).__code__
 
 
-def _adds_nothing(mask_function: Callable) -> bool:
-    """Whether ``mask_function`` is a blockwise overlay whose block ids are all negative (no block: False everywhere)."""
-    from transformers import masking_utils as masks
-
-    overlay = getattr(masks, "blockwise_overlay", None)
-    if overlay is None or mask_function.__code__ is not overlay(torch.zeros(1, 1)).__code__:
-        return False
-    return not bool((_cells(mask_function)["block_sequence_ids"] >= 0).any())
-
-
 def _check_pattern(mask_function: Callable) -> None:
     """Raise unless ``mask_function`` is built only from patterns packfree computes (causal, bidirectional, sliding
     window, chunked, padding, packed samples, combined with ``and_masks``): anything else (``or_masks``, block
@@ -323,7 +313,7 @@ def _check_pattern(mask_function: Callable) -> None:
     if code is _or_code():
         # transformers' blockwise overlay (bidirectional image tokens) with no block at all (text only) adds nothing
         inner = _cells(mask_function)["mask_functions"]
-        others = [function for function in inner if not _adds_nothing(function)]
+        others = [function for function in inner if not _adds_no_block(function)]
         if len(others) == 1:
             return _check_pattern(others[0])
     if code not in codes:
