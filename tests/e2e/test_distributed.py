@@ -53,6 +53,9 @@ def _worker(rank: int, port: int, wrapper: str, model_type: str, out: str) -> No
         dist.barrier()  # neither rank tears the group down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    # the work is done and saved: skip the interpreter's teardown, where gloo's threads can abort the process
+    # ("terminate called without an active exception", seen once on transformers 5.20) after a good run
+    os._exit(0)
 
 
 def _free_port() -> int:
