@@ -270,8 +270,7 @@ def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tu
         return None
     shift = sys.modules[type(module).__module__].shift_tokens_right
     config = module.config
-    options = {name: getattr(config, name) for name in inspect.signature(shift).parameters
-               if name == "decoder_start_token_id"}
+    options = {"decoder_start_token_id": config.decoder_start_token_id} if _takes_start_token(shift) else {}
     decoder_input_ids = _shift_per_sample(shift, source, boundaries, config.pad_token_id, **options)
     index = parameters.names.index("decoder_input_ids") - 1  # without self
     if index < len(args):
@@ -279,6 +278,12 @@ def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tu
     else:
         kwargs = {**kwargs, "decoder_input_ids": decoder_input_ids}
     return args, kwargs
+
+
+@functools.cache
+def _takes_start_token(shift: Callable) -> bool:
+    """Whether a modeling module's ``shift_tokens_right`` takes ``decoder_start_token_id`` (read once per module)."""
+    return "decoder_start_token_id" in inspect.signature(shift).parameters
 
 
 # ------------------------------------------------------------------ attention that adds a dense mask itself
