@@ -11,7 +11,7 @@ import torch
 
 from packfree_plugin.packing_vision import VisionPackedCollator
 from tests.conftest import assert_close
-from tests.models.vlm_cases import CASES, VLMCase
+from tests.models.vlm_cases import CASES, PALIGEMMA, VLMCase
 
 MROPE = [name for name, case in CASES.items() if case.mrope]
 EXACT = 1e-12
@@ -264,3 +264,25 @@ def test_paligemma_hands_its_mask_to_gemma_and_packed_text_rows_are_exact() -> N
                                                   tiny_config_for("paligemma"))
         proof = prove(model, stock, stock_name=implementation, diagnose=False)
     assert proof.exact, proof.verdict()
+
+
+def test_paligemma_packed_prefix_lm_rows_with_images_equal_each_sample_alone() -> None:
+    """PaliGemma's processor marks the prefix (image and prompt, attended bidirectionally) with token_type_ids 0
+    and the suffix (the target, causal) with 1. Packed with an image per sample, every sample's logits equal that
+    sample alone on stock, and one unpacked sample equals stock. The tolerance is float32's: Gemma's RMSNorm
+    computes in float32 even in a float64 model; a prefix block that crossed samples differs by orders more."""
+    model, stock = PALIGEMMA.build("packfree"), PALIGEMMA.build("sdpa")
+    stock.load_state_dict(model.state_dict())
+    samples = [PALIGEMMA.sample([5, 6], [(1, 0)], [7, 8, 9], seed=1),
+               PALIGEMMA.sample([10], [(1, 0)], [11, 12, 13, 14], seed=2),
+               PALIGEMMA.sample([15, 16, 17, 18], [], [], seed=3)]
+    for sample in samples:
+        suffix = torch.zeros_like(sample["input_ids"])
+        suffix[0, -2:] = 1
+        sample["token_type_ids"] = suffix
+    batch = VisionPackedCollator(model)(samples)
+    with torch.no_grad():
+        assert_close(model(**samples[0]).logits, stock(**samples[0]).logits, atol=EXACT, rtol=0, what="unpacked")
+        packed = model(**{key: value for key, value in batch.items() if key != "labels"}).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=1e-6, rtol=0, what="packed paligemma")

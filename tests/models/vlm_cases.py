@@ -165,3 +165,13 @@ CASES: dict[str, VLMCase] = {case.model_type: case for case in (
                  image_token_id=250, image_seq_length=4, downsample_ratio=0.5),
             250, _square_image(56, 4), ((1, 0), (2, 0))),
 )}
+
+
+PALIGEMMA = VLMCase(
+    "paligemma", "PaliGemmaForConditionalGeneration",
+    dict(text_config={"model_type": "gemma", **_TEXT},
+         vision_config={"model_type": "siglip_vision_model", **_SIGLIP, "projection_dim": 64},
+         image_token_index=250, projection_dim=64, hidden_size=64, pad_token_id=0),
+    250, _square_image(32, 16), ((1, 0),))
+"""PaliGemma (prefix-LM: its token_type_ids mark the suffix, not the image), 16 tokens per 32 px image; kept out
+of :data:`CASES`, whose tests mark image tokens."""
