@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention.interface import RELATIVE_POSITION_BIAS
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import class_forward_parameters, current
 from .generic import run_unpacked
@@ -414,6 +415,19 @@ def _refused_forward(module: nn.Module, *args, **kwargs):
     return own_forward(module, tag=_TAG)(*args, **kwargs)
 
 
+def _sample_bias(module: nn.Module, query_length: int, key_length: int, device: torch.device | None = None,
+                 past_seen_tokens: int = 0) -> torch.Tensor:
+    """T5's ``compute_bias`` (installed on the instance of every layer of
+    :data:`~packfree_plugin.attention.interface.RELATIVE_POSITION_BIAS` that owns a bias): on a packed row, the bias of
+    the longest sample, ``[1, H, L, L]`` instead of ``[1, H, T, T]``; the bias is relative, so every sample's is its
+    top-left corner, which packfree's attention takes. Elsewhere the class's own."""
+    boundaries = current()
+    if (boundaries is not None and boundaries.is_packed and past_seen_tokens == 0
+            and query_length == key_length == boundaries.seq_len):
+        query_length = key_length = boundaries.max_seqlen
+    return type(module).compute_bias(module, query_length, key_length, device=device, past_seen_tokens=past_seen_tokens)
+
+
 def _replacement(name: str) -> Callable | None:
     """The instance forward packfree gives a module of class ``name`` (None: its own), read from the tables when
     a model is prepared, so adapters registered later count."""
@@ -427,14 +441,16 @@ def _replacement(name: str) -> Callable | None:
 def wrap_positions(model: nn.Module) -> list[str]:
     """Give every covered embedding module of ``model`` its per-sample numbering, every layer of
     :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
-    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, and every model of :data:`SHIFTED_DECODER_INPUTS` its
-    per-sample decoder inputs (idempotent; call after
+    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, every model of :data:`SHIFTED_DECODER_INPUTS` its
+    per-sample decoder inputs, and every T5-style layer that owns a relative bias its per-sample bias (idempotent; call after
     :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
     wrapped = []
     for path, module in model.named_modules():
         name = type(module).__name__
         if name in CAUSAL_SELF_ATTENTION:
             module.get_submodule(CAUSAL_SELF_ATTENTION[name]).is_causal = True
+        if name in RELATIVE_POSITION_BIAS and getattr(module, "has_relative_attention_bias", False):
+            module.compute_bias = functools.partial(_sample_bias, module)
         if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
             setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
                                                                             with_kwargs=True))

@@ -144,6 +144,27 @@ def test_packed_seq2seq_encoder_boundaries_from_cu_seq_lens(model_type: str) -> 
     _check_packed(model, stock, batch, examples, f"{model_type} packed (cu_seq_lens)")
 
 
+@pytest.mark.parametrize("model_type", T5_TYPES)
+def test_t5_builds_the_relative_bias_of_the_longest_sample_not_of_the_row(model_type: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed row's self-attention bias is ``[1, H, L, L]`` for the longest sample (O(L^2), not O(T^2))."""
+    model, _ = _pair(model_type)
+    layer = type(next(m for m in model.modules() if getattr(m, "has_relative_attention_bias", False)))
+    sizes = []
+    own = layer.compute_bias
+
+    def recording(self, query_length, key_length, *args, **kwargs):
+        sizes.append((query_length, key_length))
+        return own(self, query_length, key_length, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "compute_bias", recording)
+    batch = Seq2SeqPackedCollator(BUDGET, BUDGET)(_examples())
+    with torch.no_grad():
+        model(**batch)
+    longest_source, longest_target = max(s for s, _ in PAIRS), max(t for _, t in PAIRS)
+    assert set(sizes) == {(longest_source, longest_source), (longest_target, longest_target)}
+
+
 def _leak_cross_attention(monkeypatch: pytest.MonkeyPatch, model_type: str) -> None:
     """Plant a leak: every decoder token reads its whole encoder row (the other sample's tokens too)."""
     from packfree_plugin.adapters import positions
