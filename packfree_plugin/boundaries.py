@@ -471,9 +471,9 @@ class Seq2SeqBoundaries:
         for row, (sources, targets) in enumerate(zip(encoder_rows, decoder_rows)):
             if len(sources) != len(targets):
                 raise ValueError(
-                    f"row {row} packs {len(sources)} encoder samples but {len(targets)} decoder samples; a packed seq2seq "
-                    "row pairs its k-th encoder sample with its k-th decoder sample. Pack the same samples on both sides "
-                    "(decoder_position_ids restarting at 0 where each target starts, padding marked by "
+                    f"row {row} packs {len(sources)} encoder samples but {len(targets)} decoder samples; a packed "
+                    "seq2seq row pairs its k-th encoder sample with its k-th decoder sample. Pack the same samples on "
+                    "both sides (decoder_position_ids restarting at 0 where each target starts, padding marked by "
                     "decoder_attention_mask)"
                 )
             pairs += [(*target, *source) for source, target in zip(sources, targets)]

@@ -448,9 +448,10 @@ def _pair_seq2seq(module: nn.Module, arguments: dict[str, Any], encoder: Boundar
             )
         return
     if tokens is None or encoder is None:
+        missing = "decoder inputs or labels" if tokens is None else "encoder rows"
         raise ValueError(
-            f"{name} got decoder_position_ids without {'decoder inputs or labels' if tokens is None else 'encoder rows'}"
-            " to describe (a packed seq2seq batch passes input_ids and decoder_input_ids or labels, and no cache)"
+            f"{name} got decoder_position_ids without {missing} to describe"
+            " (a packed seq2seq batch passes input_ids and decoder_input_ids or labels, and no cache)"
         )
     decoder = Boundaries.from_model_inputs(batch_size=tokens.shape[0], seq_len=tokens.shape[1], device=tokens.device,
                                            position_ids=decoder_position_ids,

@@ -55,9 +55,9 @@ from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .registry import register_by_class_name
 
-__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
-           "REFUSED_ON_PACKED_ROWS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask", "register_position_adapter",
-           "wrap_positions"]
+__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
+           "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
+           "register_position_adapter", "wrap_positions"]
 
 _TAG = "position_"
 """Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
@@ -442,7 +442,8 @@ def wrap_positions(model: nn.Module) -> list[str]:
     """Give every covered embedding module of ``model`` its per-sample numbering, every layer of
     :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
     :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, every model of :data:`SHIFTED_DECODER_INPUTS` its
-    per-sample decoder inputs, and every T5-style layer that owns a relative bias its per-sample bias (idempotent; call after
+    per-sample decoder inputs, and every T5-style layer that owns a relative bias its per-sample bias
+    (idempotent; call after
     :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
     wrapped = []
     for path, module in model.named_modules():

@@ -524,11 +524,12 @@ def _packed_seq2seq_attention(module: torch.nn.Module, query: torch.Tensor, key:
                          "only; run this model without torch.compile, or pass one sample per row")
     if isinstance(mask, Boundaries):
         if not mask.describes(query.shape[0], query.shape[2]) or key.shape[2] != query.shape[2]:
-            raise ValueError(f"{name}: packed boundaries describe [B={mask.batch_size}, T={mask.seq_len}] but attention "
-                             f"got queries {[query.shape[0], query.shape[2]]} and keys of length {key.shape[2]}")
+            raise ValueError(f"{name}: packed boundaries describe [B={mask.batch_size}, T={mask.seq_len}] but "
+                             f"attention got queries {[query.shape[0], query.shape[2]]} and keys of length {key.shape[2]}")
         if position_bias.ndim != 4 or position_bias.shape[0] != 1 or min(position_bias.shape[-2:]) < mask.max_seqlen:
-            raise ValueError(f"{name} passed a position_bias of shape {list(position_bias.shape)}; packfree applies a "
-                             f"relative bias [1, H, L, L] covering the longest packed sample ({mask.max_seqlen} tokens)")
+            raise ValueError(f"{name} passed a position_bias of shape {list(position_bias.shape)}; packfree applies "
+                             f"a relative bias [1, H, L, L] covering the longest packed sample ({mask.max_seqlen} "
+                             "tokens)")
         query, key, value = _autocast(query, key, value)
         return segment_attention(query, key, value, mask, options, training=training, bias=position_bias)
     if position_bias is not None and getattr(module, "has_relative_attention_bias", True):

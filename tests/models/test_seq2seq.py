@@ -25,7 +25,8 @@ from packfree_plugin import Boundaries
 from packfree_plugin.packing_seq2seq import Seq2SeqPackedCollator
 from tests.conftest import assert_close
 
-BART_TYPES = ["bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus", "mvp"]
+BART_TYPES = ["bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus",
+              "mvp"]
 T5_TYPES = ["t5", "mt5", "umt5"]
 SEQ2SEQ_TYPES = BART_TYPES + T5_TYPES
 PAIRS = [(5, 3), (4, 7), (7, 5), (1, 4)]
@@ -54,9 +55,11 @@ def _pair(model_type: str, **overrides):
     config = _config(model_type, **overrides)
     torch.manual_seed(0)
     try:
-        stock = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+        stock = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa",
+                                                  dtype=torch.float64)
     except ValueError:  # no sdpa path
-        stock = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float64)
+        stock = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="eager",
+                                                  dtype=torch.float64)
     model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="packfree", dtype=torch.float64)
     model.load_state_dict(stock.state_dict())
     return model.eval(), stock.eval()
@@ -87,7 +90,8 @@ def _decoder_samples(batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int
     return spans
 
 
-def _check_packed(model, stock, batch: dict[str, torch.Tensor], examples: list[dict[str, list[int]]], what: str) -> None:
+def _check_packed(model, stock, batch: dict[str, torch.Tensor], examples: list[dict[str, list[int]]],
+                  what: str) -> None:
     """The packed ``batch``'s logits, per-token losses, mean loss and parameter gradients (of the summed loss) against
     each example alone on ``stock``; raises AssertionError on any difference over ``ATOL``."""
     packed = model(**batch)
@@ -101,7 +105,8 @@ def _check_packed(model, stock, batch: dict[str, torch.Tensor], examples: list[d
         alone = stock(input_ids=torch.tensor([example["input_ids"]]), labels=labels)
         alone_losses = _per_token_loss(alone.logits, labels)
         alone_losses.sum().backward()
-        assert_close(packed.logits[row, start:start + length], alone.logits[0], atol=ATOL, rtol=0, what=f"{what} logits")
+        assert_close(packed.logits[row, start:start + length], alone.logits[0], atol=ATOL, rtol=0,
+                     what=f"{what} logits")
         assert_close(losses[row, start:start + length], alone_losses[0], atol=ATOL, rtol=0, what=f"{what} losses")
         total, tokens = total + alone.loss * length, tokens + length
     assert_close(packed.loss, total / tokens, atol=ATOL, rtol=0, what=f"{what} mean loss")
@@ -261,7 +266,8 @@ def test_unpacked_seq2seq_with_unequal_lengths_equals_stock(model_type: str) -> 
             ours = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, **decoder_inputs).logits
             theirs = stock(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, **decoder_inputs).logits
             kept = decoder_inputs.get("decoder_attention_mask", torch.ones(2, 5)).bool()
-            assert_close(ours[kept], theirs[kept], atol=ATOL, rtol=0, what=f"{model_type} forward {list(decoder_inputs)}")
+            assert_close(ours[kept], theirs[kept], atol=ATOL, rtol=0,
+                         what=f"{model_type} forward {list(decoder_inputs)}")
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
                       return_dict_in_generate=True)
         generated, expected = model.generate(ids, **kwargs), stock.generate(ids, **kwargs)
