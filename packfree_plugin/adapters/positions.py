@@ -57,7 +57,7 @@ from .registry import register_by_class_name
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
-           "register_position_adapter", "wrap_positions"]
+           "reads_boundaries_in_layers", "register_position_adapter", "wrap_positions"]
 
 _TAG = "position_"
 """Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
@@ -426,6 +426,14 @@ def _sample_bias(module: nn.Module, query_length: int, key_length: int, device: 
             and query_length == key_length == boundaries.seq_len):
         query_length = key_length = boundaries.max_seqlen
     return type(module).compute_bias(module, query_length, key_length, device=device, past_seen_tokens=past_seen_tokens)
+
+
+def reads_boundaries_in_layers(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` computes a T5-style relative bias (:func:`_sample_bias`), which reads this forward's
+    boundaries inside the decoder layer: the layer then needs packfree's layer hooks, whose checkpoint wrapper hands
+    the same boundaries to backward's recomputation."""
+    return any(type(module).__name__ in RELATIVE_POSITION_BIAS and getattr(module, "has_relative_attention_bias", False)
+               for module in model.modules())
 
 
 def _replacement(name: str) -> Callable | None:

@@ -98,9 +98,12 @@ def _check_packed(model, stock, batch: dict[str, torch.Tensor], examples: list[d
     losses = _per_token_loss(packed.logits, batch["labels"])
     losses.sum().backward()
     spans = _decoder_samples(batch)
-    assert len(spans) == len(examples)
+    by_target = {tuple(example["labels"]): example for example in examples}
+    targets = [tuple(batch["labels"][row, start:start + length].tolist()) for row, start, length in spans]
+    assert sorted(targets) == sorted(by_target), f"{what}: the decoder rows do not hold the examples' targets"
     total, tokens = 0.0, 0
-    for (row, start, length), example in zip(spans, examples):
+    for (row, start, length), target in zip(spans, targets):
+        example = by_target[target]
         labels = torch.tensor([example["labels"]])
         alone = stock(input_ids=torch.tensor([example["input_ids"]]), labels=labels)
         alone_losses = _per_token_loss(alone.logits, labels)
@@ -135,6 +138,29 @@ def test_packed_seq2seq_equals_each_sample_alone(model_type: str, decoder_inputs
     batch = collator(examples)
     assert batch["input_ids"].shape[0] == 2 and ("decoder_input_ids" in batch) == (decoder_inputs != "from labels")
     _check_packed(model, stock, batch, examples, f"{model_type} packed ({decoder_inputs})")
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5", "mvp"])
+@pytest.mark.parametrize("budget", [7, 40])
+def test_seq2seq_batches_in_the_contract_equal_each_sample_alone(model_type: str, budget: int) -> None:
+    """Rows that the collator fills in another order than the examples' (7 tokens: rows [0, 3], [1], [2]), and one row
+    holding all four (40 tokens, no padding on either side)."""
+    model, stock = _pair(model_type)
+    examples = _examples(seed=4)
+    _check_packed(model, stock, Seq2SeqPackedCollator(budget, budget)(examples), examples,
+                  f"{model_type} packed (budget {budget})")
+
+
+@pytest.mark.parametrize(("model_type", "reentrant"), [("bart", False), ("mvp", False), ("t5", False), ("t5", True),
+                                                      ("umt5", False)])
+def test_packed_seq2seq_with_gradient_checkpointing(model_type: str, reentrant: bool) -> None:
+    """Training mode (no dropout) with gradient checkpointing: backward's recomputation keeps both sides' boundaries
+    (T5's relative bias is recomputed for the same longest sample)."""
+    model, stock = _pair(model_type, **({"dropout_rate": 0.0} if model_type in T5_TYPES else {"dropout": 0.0}))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    examples = _examples(seed=5)
+    _check_packed(model.train(), stock, Seq2SeqPackedCollator(BUDGET, BUDGET)(examples), examples,
+                  f"{model_type} packed with gradient checkpointing")
 
 
 @pytest.mark.parametrize("model_type", ["bart", "t5"])
