@@ -18,7 +18,9 @@ How boundaries flow through one forward (the README draws the same picture)::
 Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
 kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
 outermost hook reads the batch, a graph break at the very start of a compiled forward. A nested model
-whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. A caller who builds
+whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. An
+encoder-decoder's hook also reads the decoder's boundaries (``decoder_position_ids``) and pairs them with the
+encoder's (:class:`~packfree_plugin.boundaries.Seq2SeqBoundaries`); its decoder then runs on those. A caller who builds
 the boundaries ahead and passes ``packfree_boundaries`` gets no break at all (``fullgraph=True``).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache

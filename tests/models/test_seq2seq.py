@@ -151,6 +151,19 @@ def test_seq2seq_batches_in_the_contract_equal_each_sample_alone(model_type: str
                   f"{model_type} packed (budget {budget})")
 
 
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_decoder_rows_as_long_as_encoder_rows_keep_their_own_samples(model_type: str) -> None:
+    """Encoder and decoder rows of 8 tokens split 3 + 5 and 5 + 3: the decoder must not take the encoder's samples."""
+    model, stock = _pair(model_type)
+    generator = torch.Generator().manual_seed(6)
+    examples = [{"input_ids": torch.randint(3, 120, (source,), generator=generator).tolist(),
+                 "labels": torch.randint(3, 120, (target,), generator=generator).tolist()}
+                for source, target in [(3, 5), (5, 3)]]
+    batch = Seq2SeqPackedCollator(8, 8)(examples)
+    assert batch["input_ids"].shape == batch["labels"].shape == (1, 8)
+    _check_packed(model, stock, batch, examples, f"{model_type} packed (rows of equal length)")
+
+
 @pytest.mark.parametrize(("model_type", "reentrant"), [("bart", False), ("mvp", False), ("t5", False), ("t5", True),
                                                       ("umt5", False)])
 def test_packed_seq2seq_with_gradient_checkpointing(model_type: str, reentrant: bool) -> None:
