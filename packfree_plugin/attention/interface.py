@@ -376,8 +376,7 @@ def packfree_attention_mask(
     cross-attention given the encoder's mask) gets stock's mask. A packed seq2seq decoder's cross-attention gets
     the pairing of its samples with the encoder's (:func:`_cross_attention_mask`)."""
     boundaries = current()
-    pairing = _cross_attention_mask(boundaries, batch_size, q_length, kv_length, mask_function, kwargs.get("config"),
-                                    kwargs.get("dtype", torch.float32))
+    pairing = _cross_attention_mask(boundaries, batch_size, q_length, kv_length, mask_function)
     if pairing is not None:
         return pairing
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
@@ -496,20 +495,16 @@ self-attention; zeros in cross-attention (``has_relative_attention_bias`` False)
 
 
 def _cross_attention_mask(boundaries: Boundaries | None, batch_size: int, q_length: int, kv_length: int,
-                          mask_function: Callable | None, config: object,
-                          dtype: torch.dtype) -> Seq2SeqBoundaries | torch.Tensor | None:
+                          mask_function: Callable | None) -> Seq2SeqBoundaries | None:
     """The mask of a paired seq2seq decoder's cross-attention (a bidirectional mask asked for while the decoder's
-    boundaries are in effect, from its rows to the encoder's): the :class:`Seq2SeqBoundaries` themselves, or for
-    models that add the mask to their scores as a tensor, its dense ``[B, 1, Td, Te]`` form. None otherwise."""
+    boundaries are in effect, from its rows to the encoder's): the :class:`Seq2SeqBoundaries` themselves (layers that
+    add the mask to their scores themselves, MVP's, turn it into its dense form: ``adapters.positions``). None
+    otherwise."""
     pairing = Seq2SeqBoundaries.of(boundaries)
     if pairing is None or boundaries is not pairing.decoder or getattr(mask_function, "__name__", "") != \
             "bidirectional_mask_function" or not pairing.encoder.describes(batch_size, kv_length) \
             or not pairing.decoder.describes(batch_size, q_length):
         return None
-    if _wants_tensor_mask(config):
-        from ..adapters.positions import dense_cross_mask
-
-        return dense_cross_mask(pairing, dtype)
     return pairing
 
 
