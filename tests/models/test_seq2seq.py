@@ -4,7 +4,9 @@ no sdpa) in float64.
 - Packed seq2seq (the BART family and t5/mt5/umt5): encoder rows and decoder rows packed with boundaries of their own
   (``position_ids`` or ``cu_seq_lens`` for the encoder, ``decoder_position_ids`` for the decoder), samples of unequal
   source and target lengths, both sides padded: every sample's logits, per-token losses and the gradients equal that
-  sample alone, from labels only (packfree shifts each sample's labels) and from the collator's decoder inputs.
+  sample alone, from labels only (packfree shifts each sample's labels) and from the collator's decoder inputs; also
+  with gradient checkpointing, rows filled out of example order, and decoder rows as long as the encoder rows but
+  split elsewhere. T5 builds its relative bias for the longest sample, not the row.
 - Cross-attention that leaks (planted) is caught by the same comparison.
 - Unpacked use: an encoder and a decoder of different lengths, padded batches and ``generate()`` equal stock.
 - LongT5's local attention cannot be cut into samples: refused at load with its reason.
