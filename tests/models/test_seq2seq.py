@@ -257,6 +257,43 @@ def test_packed_encoder_with_decoder_rows_of_another_length_needs_their_boundari
         model(**batch)
 
 
+def test_decoder_position_ids_need_decoder_inputs() -> None:
+    model, _ = _pair("bart")
+    batch = Seq2SeqPackedCollator(BUDGET, BUDGET)(_examples())
+    del batch["labels"]
+    with pytest.raises(ValueError, match="decoder_position_ids without decoder inputs or labels"), torch.no_grad():
+        model(**batch)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_packed_base_model_equals_each_sample_alone(model_type: str) -> None:
+    """The base model (``BartModel``, ``T5Model``) called on its own with both sides' boundaries: each decoder sample's
+    hidden states equal the sample alone."""
+    from transformers import AutoModel
+
+    packfree_plugin.register()
+    config = _config(model_type)
+    torch.manual_seed(0)
+    stock = AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64).eval()
+    model = AutoModel.from_config(config, attn_implementation="packfree", dtype=torch.float64).eval()
+    model.load_state_dict(stock.state_dict())
+    examples = _examples(seed=7)
+    for example in examples:
+        example["decoder_input_ids"] = [config.decoder_start_token_id, *example["labels"][:-1]]
+    batch = Seq2SeqPackedCollator(BUDGET, BUDGET)(examples)
+    del batch["labels"]
+    with torch.no_grad():
+        packed = model(**batch).last_hidden_state
+        for example in examples:
+            alone = stock(input_ids=torch.tensor([example["input_ids"]]),
+                          decoder_input_ids=torch.tensor([example["decoder_input_ids"]])).last_hidden_state[0]
+            row, start = next((r, c) for r in range(batch["decoder_input_ids"].shape[0])
+                              for c in range(batch["decoder_input_ids"].shape[1])
+                              if batch["decoder_input_ids"][r, c:c + len(alone)].tolist() == example["decoder_input_ids"])
+            assert_close(packed[row, start:start + len(alone)], alone, atol=ATOL, rtol=0,
+                         what=f"{model_type} base model")
+
+
 def test_longt5_is_refused_with_its_reason() -> None:
     """LongT5's encoder attends over fixed blocks of the whole row (local / transient-global attention)."""
     packfree_plugin.register()
