@@ -287,9 +287,9 @@ def test_packed_base_model_equals_each_sample_alone(model_type: str) -> None:
         for example in examples:
             alone = stock(input_ids=torch.tensor([example["input_ids"]]),
                           decoder_input_ids=torch.tensor([example["decoder_input_ids"]])).last_hidden_state[0]
-            row, start = next((r, c) for r in range(batch["decoder_input_ids"].shape[0])
-                              for c in range(batch["decoder_input_ids"].shape[1])
-                              if batch["decoder_input_ids"][r, c:c + len(alone)].tolist() == example["decoder_input_ids"])
+            rows = batch["decoder_input_ids"]
+            row, start = next((r, c) for r in range(rows.shape[0]) for c in range(rows.shape[1])
+                              if rows[r, c:c + len(alone)].tolist() == example["decoder_input_ids"])
             assert_close(packed[row, start:start + len(alone)], alone, atol=ATOL, rtol=0,
                          what=f"{model_type} base model")
 
