@@ -18,7 +18,9 @@ How boundaries flow through one forward (the README draws the same picture)::
 Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
 kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
 outermost hook reads the batch, a graph break at the very start of a compiled forward. A nested model
-whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. A caller who builds
+whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. An
+encoder-decoder's hook also reads the decoder's boundaries (``decoder_position_ids``) and pairs them with the
+encoder's (:class:`~packfree_plugin.boundaries.Seq2SeqBoundaries`); its decoder then runs on those. A caller who builds
 the boundaries ahead and passes ``packfree_boundaries`` gets no break at all (``fullgraph=True``).
 
 Caches. Boundaries are built only while the cache holds nothing (training, scoring, prefill). A cache
@@ -42,9 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundaries import Boundaries
+from .boundaries import Boundaries, Seq2SeqBoundaries
 
 __all__ = [
+    "DECODER_POSITION_IDS",
     "ForwardParameters",
     "NativeCall",
     "apply_model_hook",
@@ -355,6 +358,8 @@ def _inherits(boundaries: Boundaries, tokens: Any, arguments: dict[str, Any]) ->
     ``decoder_attention_mask``, or causally alone."""
     if not _fits(boundaries, tokens):
         return False
+    if arguments.get("encoder_hidden_states") is not None and Seq2SeqBoundaries.of(boundaries) is not None:
+        return False  # the decoder of a seq2seq forward whose decoder rows have boundaries of their own
     return boundaries.is_packed or arguments.get("encoder_hidden_states") is None
 
 
@@ -386,6 +391,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     _push(None)
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
+    seq2seq = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
+    decoder_position_ids = kwargs.pop(DECODER_POSITION_IDS, None) if seq2seq else None
     parameters = class_forward_parameters(type(module))
     takes_kwargs = parameters.var_keyword is not None
     bound = parameters.bind((module, *args), kwargs)
@@ -393,8 +400,13 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     _check_rope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     inherited = outer is not None and _inherits(outer, _tokens(arguments), arguments)
-    seq2seq = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
-    boundaries = outer if inherited else boundaries_for_call(arguments, causal_labels=not seq2seq)
+    decoder = None if inherited else _paired_decoder(outer, arguments, kwargs)
+    if inherited:
+        boundaries = outer
+    else:
+        boundaries = decoder if decoder is not None else boundaries_for_call(arguments, causal_labels=not seq2seq)
+    if seq2seq:
+        _pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:
         if boundaries.is_packed and "use_cache" in bound and "use_cache" not in kwargs:  # passed positionally
             index = parameters.names.index("use_cache") - 1  # without self
@@ -409,6 +421,58 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             kwargs["position_ids"] = boundaries.position_ids
     _STACK.items[-1] = boundaries
     return args, kwargs
+
+
+# ----------------------------------------------------------------------------------- packed seq2seq
+DECODER_POSITION_IDS = "decoder_position_ids"
+"""The decoder's boundary input of a packed seq2seq batch: ``[B, Td]`` ids restarting at 0 where each decoder sample
+starts (read by the position-ids rule of :mod:`.boundaries`); packfree pops it from the call."""
+_ENCODER_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_DECODER_TOKENS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+
+
+def _pair_seq2seq(module: nn.Module, arguments: dict[str, Any], encoder: Boundaries | None,
+                  decoder_position_ids: torch.Tensor | None) -> None:
+    """An encoder-decoder forward: build the decoder's boundaries from ``decoder_position_ids`` (and
+    ``decoder_attention_mask``) and pair them with the ``encoder``'s (:class:`Seq2SeqBoundaries`, attached to both).
+    Without ``decoder_position_ids`` a packed encoder row needs decoder rows laid out like it (the decoder then
+    runs on the encoder's boundaries); decoder rows of another length raise."""
+    tokens = next((arguments[name] for name in _DECODER_TOKENS
+                   if isinstance(arguments.get(name), torch.Tensor) and arguments[name].ndim >= 2), None)
+    name = type(module).__name__
+    if decoder_position_ids is None:
+        if encoder is not None and encoder.is_packed and tokens is not None and not _fits(encoder, tokens):
+            raise ValueError(
+                f"{name} got packed encoder rows {[encoder.batch_size, encoder.seq_len]} and decoder rows "
+                f"{list(tokens.shape[:2])} of another length without decoder_position_ids; packfree cannot tell where "
+                "each decoder sample starts. Pass decoder_position_ids restarting at 0 in every decoder sample "
+                "(packfree_plugin.packing_seq2seq.Seq2SeqPackedCollator builds them)"
+            )
+        return
+    if tokens is None or encoder is None:
+        missing = "decoder inputs or labels" if tokens is None else "encoder rows"
+        raise ValueError(
+            f"{name} got decoder_position_ids without {missing} to describe"
+            " (a packed seq2seq batch passes input_ids and decoder_input_ids or labels, and no cache)"
+        )
+    decoder = Boundaries.from_model_inputs(batch_size=tokens.shape[0], seq_len=tokens.shape[1], device=tokens.device,
+                                           position_ids=decoder_position_ids,
+                                           attention_mask=arguments.get("decoder_attention_mask"))
+    Seq2SeqBoundaries(encoder, decoder).attach()
+
+
+def _paired_decoder(outer: Boundaries | None, arguments: dict[str, Any], kwargs: dict) -> Boundaries | None:
+    """The decoder's own boundaries when this call is the decoder of a seq2seq forward whose sides are paired
+    (else None); the encoder's boundary keywords its parent forwarded through ``**kwargs`` give way to them."""
+    pairing = Seq2SeqBoundaries.of(outer)
+    if pairing is None or arguments.get("encoder_hidden_states") is None or \
+            not _fits(pairing.decoder, _tokens(arguments)):
+        return None
+    for name in _ENCODER_BOUNDARY_KWARGS:
+        kwargs.pop(name, None)
+    if "position_ids" in kwargs:
+        kwargs["position_ids"] = pairing.decoder.position_ids
+    return pairing.decoder
 
 
 _VISUAL_INPUTS = ("pixel_values", "pixel_values_videos")

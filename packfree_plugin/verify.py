@@ -160,6 +160,8 @@ def audit(
                                                                    generator=generator)) % (vocab - low) + low
     base = {k: v.to(parameter.device) for k, v in packed_row(samples).items()}
     other = {k: v.to(parameter.device) for k, v in packed_row(changed).items()}
+    if getattr(model.config, "is_encoder_decoder", False):  # the decoder holds the same samples (as in the proof)
+        base["decoder_input_ids"], other["decoder_input_ids"] = base["input_ids"], other["input_ids"]
     seq_len = sum(lengths)
     start = sum(lengths[:perturbed])
     outside = torch.ones(seq_len, dtype=torch.bool)

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..context import apply_model_hook
 from .heads import wrap_heads
-from .positions import wrap_positions
+from .positions import reads_boundaries_in_layers, wrap_positions
 from .registry import MixerAdapter, check_coverage, register_adapter, wrap_mixers
 
 __all__ = [
@@ -42,6 +42,6 @@ def apply(model: nn.Module) -> nn.Module:
     admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
     wrap_heads(model)
-    apply_model_hook(model, layer_hooks=bool(mixers))
+    apply_model_hook(model, layer_hooks=bool(mixers) or reads_boundaries_in_layers(model))
     wrap_positions(model)  # after the model hook: per-sample positions read the boundaries it pushes
     return model

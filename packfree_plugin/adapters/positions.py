@@ -48,14 +48,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..boundaries import Boundaries
+from ..attention.interface import RELATIVE_POSITION_BIAS
+from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import class_forward_parameters, current
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .registry import register_by_class_name
 
-__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "SHIFTED_DECODER_INPUTS",
-           "DenseMaskAttention", "PositionAdapter", "register_position_adapter", "wrap_positions"]
+__all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
+           "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
+           "reads_boundaries_in_layers", "register_position_adapter", "wrap_positions"]
 
 _TAG = "position_"
 """Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
@@ -229,19 +231,21 @@ SHIFTED_DECODER_INPUTS: dict[str, str] = {
     **dict.fromkeys(("BartForConditionalGeneration", "MBartForConditionalGeneration", "PLBartForConditionalGeneration",
                      "MvpForConditionalGeneration", "BigBirdPegasusForConditionalGeneration", "MarianMTModel",
                      "PegasusForConditionalGeneration", "BlenderbotForConditionalGeneration",
-                     "BlenderbotSmallForConditionalGeneration"), "labels"),
+                     "BlenderbotSmallForConditionalGeneration", "T5ForConditionalGeneration",
+                     "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+                     "LongT5ForConditionalGeneration"), "labels"),
 }
 """Seq2seq models whose forward makes the decoder inputs by shifting an argument right (with their modeling
-module's ``shift_tokens_right``) when no decoder inputs are given: the base models shift ``input_ids`` (BART's
-denoising default), the generation heads their ``labels``."""
+module's ``shift_tokens_right``, the T5 family with its ``_shift_right`` method) when no decoder inputs are given:
+the base models shift ``input_ids`` (BART's denoising default), the generation heads their ``labels``."""
 
 
-def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tensor, boundaries: Boundaries,
-                      pad_token_id: int, **options: Any) -> torch.Tensor:
+def _shift_per_sample(shift: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor, boundaries: Boundaries,
+                      pad_token_id: int) -> torch.Tensor:
     """``input_ids [B, T]`` -> ``[B, T]``: ``shift`` applied to each sample on its own. The packed row's shift is
     right everywhere but at each sample's first token, which gets column 0 of ``shift`` run on the samples
     right-padded with ``pad_token_id`` (what ``shift`` ignores when it looks for a sample's last token)."""
-    shifted = shift(input_ids, pad_token_id=pad_token_id, **options).reshape(-1).clone()
+    shifted = shift(input_ids).reshape(-1).clone()
     samples = [(start, length) for start, length, pad in
                zip(boundaries.offsets, boundaries.lengths, boundaries.padding) if not pad]
     total = boundaries.batch_size * boundaries.seq_len
@@ -249,7 +253,7 @@ def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tenso
     for row, (start, length) in enumerate(samples):
         index[row, :length] = torch.arange(start, start + length)
     flat = torch.cat([input_ids.reshape(-1), input_ids.new_full((1,), pad_token_id)])
-    firsts = shift(flat[index.to(flat.device)], pad_token_id=pad_token_id, **options)[:, 0]
+    firsts = shift(flat[index.to(flat.device)])[:, 0]
     shifted[torch.tensor([start for start, _ in samples], device=shifted.device)] = firsts
     return shifted.view_as(input_ids)
 
@@ -258,26 +262,38 @@ def _shift_per_sample(shift: Callable[..., torch.Tensor], input_ids: torch.Tenso
 def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """On a packed row without decoder inputs, pass the per-sample shift of the argument the model would shift
     (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (runs after packfree's model hook has pushed this
-    forward's boundaries)."""
+    forward's boundaries). ``labels`` are cut by the decoder's own boundaries where the batch has them
+    (``decoder_position_ids``), else by the encoder's."""
     boundaries = current()
+    source_name = SHIFTED_DECODER_INPUTS[type(module).__name__]
+    pairing = Seq2SeqBoundaries.of(boundaries)
+    if pairing is not None and source_name == "labels":
+        boundaries = pairing.decoder
     if boundaries is None or not boundaries.is_packed:
         return None
     parameters = class_forward_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
-    source = arguments.get(SHIFTED_DECODER_INPUTS[type(module).__name__])
+    source = arguments.get(source_name)
     if (not isinstance(source, torch.Tensor) or source.ndim != 2 or not boundaries.describes(*source.shape)
             or any(arguments.get(name) is not None for name in ("decoder_input_ids", "decoder_inputs_embeds"))):
         return None
-    shift = sys.modules[type(module).__module__].shift_tokens_right
-    config = module.config
-    options = {"decoder_start_token_id": config.decoder_start_token_id} if _takes_start_token(shift) else {}
-    decoder_input_ids = _shift_per_sample(shift, source, boundaries, config.pad_token_id, **options)
+    decoder_input_ids = _shift_per_sample(_model_shift(module), source, boundaries, module.config.pad_token_id)
     index = parameters.names.index("decoder_input_ids") - 1  # without self
     if index < len(args):
         args = (*args[:index], decoder_input_ids, *args[index + 1:])
     else:
         kwargs = {**kwargs, "decoder_input_ids": decoder_input_ids}
     return args, kwargs
+
+
+def _model_shift(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids [B, T] -> [B, T]``: the shift right ``module``'s forward applies to make its decoder inputs."""
+    shift = getattr(sys.modules[type(module).__module__], "shift_tokens_right", None)
+    if shift is None:  # the T5 family: a method reading its config
+        return module._shift_right
+    config = module.config
+    options = {"decoder_start_token_id": config.decoder_start_token_id} if _takes_start_token(shift) else {}
+    return functools.partial(shift, pad_token_id=config.pad_token_id, **options)
 
 
 @functools.cache
@@ -326,6 +342,21 @@ def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dt
     return torch.zeros((), dtype=dtype, device=segment.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+@torch.compiler.disable  # built from the host offsets of each packing
+def dense_cross_mask(pairing: Seq2SeqBoundaries, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, Td, Te]`` additive mask: 0 where a decoder token's own encoder sample is, the dtype's minimum elsewhere
+    (a padding query sees nothing). O(Td x Te) per row: for models that add the mask to their scores themselves."""
+    decoder, encoder = pairing.decoder, pairing.encoder
+    reads = torch.full((decoder.batch_size * decoder.seq_len,), -1, dtype=torch.long)
+    source = torch.full((encoder.batch_size * encoder.seq_len,), -2, dtype=torch.long)
+    for index, (decoder_start, decoder_length, encoder_start, encoder_length) in enumerate(pairing.pairs):
+        reads[decoder_start:decoder_start + decoder_length] = index
+        source[encoder_start:encoder_start + encoder_length] = index
+    allowed = reads.view(decoder.batch_size, decoder.seq_len, 1) == source.view(encoder.batch_size, 1, encoder.seq_len)
+    mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return mask.to(decoder.device)
+
+
 def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     """Such a layer's forward with the mask it expects: packfree's boundaries (training, scoring, prefill) as the
     block-diagonal additive mask of their segments; transformers' boolean ``sdpa`` mask (decoding) as additive."""
@@ -352,7 +383,9 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
                 "Pass one sample per row for this model"
             )
         mask = enclosing
-    if isinstance(mask, Boundaries):
+    if isinstance(mask, Seq2SeqBoundaries):
+        arguments[mask_name] = dense_cross_mask(mask, hidden.dtype)
+    elif isinstance(mask, Boundaries):
         causal = bool(getattr(module, "is_decoder", False)) and encoder is None
         arguments[mask_name] = dense_additive_mask(mask, causal=causal, dtype=hidden.dtype)
     elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -362,25 +395,71 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     return own_forward(module, tag=_TAG)(**arguments, **extra)
 
 
+REFUSED_ON_PACKED_ROWS: dict[str, str] = {
+    "LongT5LocalAttention": "its local attention (LongT5's encoder) scores fixed blocks of the whole row with a bias "
+                            "and mask of its own, so blocks straddle samples",
+    "LongT5TransientGlobalAttention": "its transient-global attention (LongT5's encoder) lets every token read "
+                                      "aggregates of fixed blocks of the whole row, so samples read each other",
+}
+"""Layers that compute attention over the whole row by code of their own, which packfree cannot cut into samples:
+a packed row raises ``ValueError`` with the reason; one sample per row runs them untouched."""
+
+
+def _refused_forward(module: nn.Module, *args, **kwargs):
+    """A :data:`REFUSED_ON_PACKED_ROWS` layer's forward: its own, unless a packed row is in flight."""
+    boundaries = current()
+    if boundaries is not None and boundaries.is_packed:
+        name = type(module).__name__
+        raise ValueError(f"packfree cannot run {name} on a packed row: {REFUSED_ON_PACKED_ROWS[name]}. Pass one sample "
+                         "per row for this model")
+    return own_forward(module, tag=_TAG)(*args, **kwargs)
+
+
+def _sample_bias(module: nn.Module, query_length: int, key_length: int, device: torch.device | None = None,
+                 past_seen_tokens: int = 0) -> torch.Tensor:
+    """T5's ``compute_bias`` (installed on the instance of every layer of
+    :data:`~packfree_plugin.attention.interface.RELATIVE_POSITION_BIAS` that owns a bias): on a packed row, the bias of
+    the longest sample, ``[1, H, L, L]`` instead of ``[1, H, T, T]``; the bias is relative, so every sample's is its
+    top-left corner, which packfree's attention takes. Elsewhere the class's own."""
+    boundaries = current()
+    if (boundaries is not None and boundaries.is_packed and past_seen_tokens == 0
+            and query_length == key_length == boundaries.seq_len):
+        query_length = key_length = boundaries.max_seqlen
+    return type(module).compute_bias(module, query_length, key_length, device=device, past_seen_tokens=past_seen_tokens)
+
+
+def reads_boundaries_in_layers(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` computes a T5-style relative bias (:func:`_sample_bias`), which reads this forward's
+    boundaries inside the decoder layer: the layer then needs packfree's layer hooks, whose checkpoint wrapper hands
+    the same boundaries to backward's recomputation."""
+    return any(type(module).__name__ in RELATIVE_POSITION_BIAS and getattr(module, "has_relative_attention_bias", False)
+               for module in model.modules())
+
+
 def _replacement(name: str) -> Callable | None:
     """The instance forward packfree gives a module of class ``name`` (None: its own), read from the tables when
     a model is prepared, so adapters registered later count."""
     if name in POSITION_ADAPTERS:
         return _position_forward
+    if name in REFUSED_ON_PACKED_ROWS:
+        return _refused_forward
     return _dense_mask_forward if name in DENSE_MASK_ATTENTION else None
 
 
 def wrap_positions(model: nn.Module) -> list[str]:
     """Give every covered embedding module of ``model`` its per-sample numbering, every layer of
     :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
-    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, and every model of :data:`SHIFTED_DECODER_INPUTS` its
-    per-sample decoder inputs (idempotent; call after
+    :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, every model of :data:`SHIFTED_DECODER_INPUTS` its
+    per-sample decoder inputs, and every T5-style layer that owns a relative bias its per-sample bias
+    (idempotent; call after
     :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
     wrapped = []
     for path, module in model.named_modules():
         name = type(module).__name__
         if name in CAUSAL_SELF_ATTENTION:
             module.get_submodule(CAUSAL_SELF_ATTENTION[name]).is_causal = True
+        if name in RELATIVE_POSITION_BIAS and getattr(module, "has_relative_attention_bias", False):
+            module.compute_bias = functools.partial(_sample_bias, module)
         if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
             setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
                                                                             with_kwargs=True))

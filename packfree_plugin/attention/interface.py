@@ -24,11 +24,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
-from ..boundaries import Boundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import current, in_prepared_forward
 from ..opaque import boundary_function
 from .reference import AttentionOptions, eager_attention
-from .segments import segment_attention
+from .segments import cross_segment_attention, segment_attention
 from .varlen import VARLEN_BACKENDS
 
 __all__ = [
@@ -181,6 +181,7 @@ def packfree_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention contract: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, T, H, Dv], None)``."""
     sinks = s_aux if s_aux is not None else kwargs.pop("sinks", None)
+    position_bias = kwargs.pop("position_bias", None) if type(module).__name__ in RELATIVE_POSITION_BIAS else None
     unknown = sorted(name for name, value in kwargs.items()
                      if isinstance(value, torch.Tensor) and name not in _INERT_TENSOR_KWARGS)
     if unknown:
@@ -200,11 +201,15 @@ def packfree_attention_forward(
         chunk=_chunk_of(module),
     )
     training = module.training
+    if isinstance(attention_mask, Seq2SeqBoundaries) or (position_bias is not None and
+                                                         isinstance(attention_mask, Boundaries)):
+        return _packed_seq2seq_attention(module, query, key, value, attention_mask, options, position_bias,
+                                         training=training), None
     if isinstance(attention_mask, Boundaries):
         return run_packed_attention(query, key, value, attention_mask, options, training=training), None
     if attention_mask is None:
         boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
-        if boundaries is not None and query.shape[2] == key.shape[2]:
+        if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
         return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
@@ -226,7 +231,8 @@ def packfree_attention_forward(
             "switched with set_attn_implementation('packfree') after loading), so nothing reads its batch's "
             "boundaries. Call packfree_plugin.apply(model) once, or load it with attn_implementation='packfree'"
         )
-    return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
+    return _masked_attention(module, query, key, value, attention_mask, options, training=training,
+                             position_bias=position_bias, **kwargs)
 
 
 def _chunk_of(module: torch.nn.Module) -> int | None:
@@ -249,14 +255,17 @@ def _masked_attention(
     options: AttentionOptions,
     *,
     training: bool,
+    position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Unpacked call with transformers' own mask (decoding from a cache): stock ``sdpa``, or eager for softcap/sinks."""
     if not options.needs_eager:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=options.dropout, scaling=options.scale,
-            is_causal=options.causal,
+            is_causal=options.causal, position_bias=position_bias,
         )
+    if position_bias is not None:
+        raise ValueError(f"{type(module).__name__}: packfree applies a position bias only without softcap or sinks")
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = eager_attention(
@@ -364,8 +373,12 @@ def packfree_attention_mask(
     image blocks) is stock's ``sdpa_mask``: for a packed row cut to each sample (dense, O(T^2)), and refused where
     transformers renumbered positions under the overlay. While compiling (closures cannot be traced, so only a union
     at the top is seen) every overlay is refused. A call whose 2-D mask is not the boundaries' padding (a seq2seq
-    cross-attention given the encoder's mask) gets stock's mask."""
+    cross-attention given the encoder's mask) gets stock's mask. A packed seq2seq decoder's cross-attention gets
+    the pairing of its samples with the encoder's (:func:`_cross_attention_mask`)."""
     boundaries = current()
+    pairing = _cross_attention_mask(boundaries, batch_size, q_length, kv_length, mask_function)
+    if pairing is not None:
+        return pairing
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
             and _marks_their_padding(boundaries, attention_mask):
         compiling = torch.compiler.is_compiling()
@@ -472,3 +485,56 @@ def _adds_no_block(function: Callable) -> bool:
         return False
     ids = [cell.cell_contents for cell in function.__closure__ or () if isinstance(cell.cell_contents, torch.Tensor)]
     return len(ids) == 1 and bool((ids[0] < 0).all())
+
+
+# ------------------------------------------------------------------------------------------ packed seq2seq
+RELATIVE_POSITION_BIAS: frozenset[str] = frozenset({"T5Attention", "MT5Attention", "UMT5Attention", "LongT5Attention"})
+"""Attention layers that pass a ``position_bias`` ``[1, H, Tq, Tk]`` to the attention function: T5's relative bias,
+which depends only on the distance between query and key (so a packed sample's block equals the sample's own), in
+self-attention; zeros in cross-attention (``has_relative_attention_bias`` False)."""
+
+
+def _cross_attention_mask(boundaries: Boundaries | None, batch_size: int, q_length: int, kv_length: int,
+                          mask_function: Callable | None) -> Seq2SeqBoundaries | None:
+    """The mask of a paired seq2seq decoder's cross-attention (a bidirectional mask asked for while the decoder's
+    boundaries are in effect, from its rows to the encoder's): the :class:`Seq2SeqBoundaries` themselves (layers that
+    add the mask to their scores themselves, MVP's, turn it into its dense form: ``adapters.positions``). None
+    otherwise."""
+    pairing = Seq2SeqBoundaries.of(boundaries)
+    if pairing is None or boundaries is not pairing.decoder or getattr(mask_function, "__name__", "") != \
+            "bidirectional_mask_function" or not pairing.encoder.describes(batch_size, kv_length) \
+            or not pairing.decoder.describes(batch_size, q_length):
+        return None
+    return pairing
+
+
+def _packed_seq2seq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              mask: Boundaries | Seq2SeqBoundaries, options: AttentionOptions,
+                              position_bias: torch.Tensor | None, *, training: bool) -> torch.Tensor:
+    """A packed seq2seq call: cross-attention over a :class:`Seq2SeqBoundaries` (each decoder sample reads its own
+    encoder sample), or self-attention with T5's relative ``position_bias``, per segment -> ``[B, T, H, Dv]``."""
+    name = type(module).__name__
+    if torch.compiler.is_compiling():
+        raise ValueError(f"{name}: packfree runs packed seq2seq cross-attention and relative position biases eagerly "
+                         "only; run this model without torch.compile, or pass one sample per row")
+    if isinstance(mask, Boundaries):
+        if not mask.describes(query.shape[0], query.shape[2]) or key.shape[2] != query.shape[2]:
+            raise ValueError(f"{name}: packed boundaries describe [B={mask.batch_size}, T={mask.seq_len}] but "
+                             f"attention got queries {[query.shape[0], query.shape[2]]} and keys of length {key.shape[2]}")
+        if position_bias.ndim != 4 or position_bias.shape[0] != 1 or min(position_bias.shape[-2:]) < mask.max_seqlen:
+            raise ValueError(f"{name} passed a position_bias of shape {list(position_bias.shape)}; packfree applies "
+                             f"a relative bias [1, H, L, L] covering the longest packed sample ({mask.max_seqlen} "
+                             "tokens)")
+        query, key, value = _autocast(query, key, value)
+        return segment_attention(query, key, value, mask, options, training=training, bias=position_bias)
+    if position_bias is not None and getattr(module, "has_relative_attention_bias", True):
+        raise ValueError(f"{name} adds a position bias to its cross-attention; packfree cannot cut it to each "
+                         "packed sample. Pass one sample per row for this model")
+    if not mask.encoder.describes(key.shape[0], key.shape[2]) or not mask.decoder.describes(*query.shape[:3:2]):
+        raise ValueError(
+            f"{name}: cross-attention from [B={query.shape[0]}, T={query.shape[2]}] to keys of length {key.shape[2]}, "
+            f"but the packed seq2seq batch has decoder rows {[mask.decoder.batch_size, mask.decoder.seq_len]} and "
+            f"encoder rows {[mask.encoder.batch_size, mask.encoder.seq_len]}"
+        )
+    query, key, value = _autocast(query, key, value)
+    return cross_segment_attention(query, key, value, mask, options, training=training)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..boundaries import Boundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries
 from .reference import AttentionOptions, eager_attention, visible_keys
 
-__all__ = ["segment_attention", "BATCHED_UP_TO", "QUERY_BLOCK"]
+__all__ = ["cross_segment_attention", "segment_attention", "BATCHED_UP_TO", "QUERY_BLOCK"]
 
 QUERY_BLOCK = 256
 """Queries per block when a window, softcap or sinks force blockwise computation."""
@@ -99,10 +99,13 @@ def segment_attention(
     *,
     training: bool = False,
     query_block: int = QUERY_BLOCK,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` -> ``[B, T, H, Dv]``, each segment on its own.
 
     ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
+    ``bias``: a relative position bias ``[1, H, L, L]`` added to the scores (T5's), ``L`` at least the longest segment:
+    it depends only on the distance between query and key, so every segment takes its top-left corner.
     """
     batch, heads, seq_len, _ = query.shape
     # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
@@ -113,7 +116,7 @@ def segment_attention(
                            lambda: _plan(boundaries, query.device, options.chunk))
     outputs = [
         _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
-                     training=training, query_block=query_block).transpose(1, 2)  # [n, L, H, Dv]
+                     training=training, query_block=query_block, bias=bias).transpose(1, 2)  # [n, L, H, Dv]
         for group in plan.groups
     ]
     if plan.where is None and outputs:  # one group: the whole batch, in order
@@ -139,11 +142,13 @@ def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int
 
 def _one_segment(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool,
-    query_block: int,
+    query_block: int, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-attention inside one segment, or ``n`` segments of one length: ``[n, H, L, D]`` x ``[n, Hkv, L, D]`` ->
     ``[n, H, L, Dv]``."""
     length = query.shape[2]
+    if bias is not None:
+        return _biased_segment(query, key, value, options, bias, training=training)
     window_binds = options.window is not None and options.window < length
     if not options.needs_eager and not window_binds:
         return F.scaled_dot_product_attention(
@@ -192,3 +197,83 @@ def _block(
         query, key, value, attn_mask=visible, dropout_p=options.dropout if training else 0.0, scale=options.scale,
         enable_gqa=query.shape[1] != key.shape[1],
     )
+
+
+def _biased_segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, options: AttentionOptions,
+                    bias: torch.Tensor, *, training: bool) -> torch.Tensor:
+    """:func:`_one_segment` with a relative position ``bias [1, H, >=L, >=L]`` added to the scores (its top-left
+    ``L x L`` corner), causal where ``options`` say so: what stock sdpa computes for a sample alone."""
+    if options.window is not None or options.chunk is not None or options.needs_eager:
+        raise ValueError("packfree applies a relative position bias only to full attention without softcap or sinks")
+    length = query.shape[2]
+    mask = bias[:, :, :length, :length].to(query.dtype)
+    if options.causal:
+        later = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+        mask = mask.masked_fill(later, torch.finfo(query.dtype).min)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=options.dropout if training else 0.0, scale=options.scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+# ------------------------------------------------------------------------------------- cross-attention
+@dataclass(frozen=True)
+class _CrossGroup:
+    """``count`` decoder samples of one length reading encoder samples of one length: their flat decoder tokens
+    ``queries [count, Lq]`` and encoder tokens ``keys [count, Lk]``."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+
+
+def _cross_plan(pairing: Seq2SeqBoundaries,
+                device: torch.device) -> tuple[tuple[_CrossGroup, ...], torch.Tensor | None]:
+    """Pairs grouped by (decoder length, encoder length), and ``where [tokens]``: the decoder tokens the groups'
+    outputs fill, in order. Built once per forward."""
+    by_lengths: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for decoder_start, decoder_length, encoder_start, encoder_length in pairing.pairs:
+        by_lengths.setdefault((decoder_length, encoder_length), []).append((decoder_start, encoder_start))
+    groups = []
+    for (decoder_length, encoder_length), starts in by_lengths.items():
+        first = torch.tensor(starts)
+        groups.append(_CrossGroup((first[:, :1] + torch.arange(decoder_length)).to(device),
+                                  (first[:, 1:] + torch.arange(encoder_length)).to(device)))
+    where = torch.cat([group.queries.reshape(-1) for group in groups]) if groups else None
+    return tuple(groups), where
+
+
+def cross_segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pairing: Seq2SeqBoundaries,
+    options: AttentionOptions,
+    *,
+    training: bool = False,
+) -> torch.Tensor:
+    """Packed cross-attention: ``query [B, H, Td, D]`` (decoder rows), ``key/value [B, Hkv, Te, D]`` (encoder rows) ->
+    ``[B, Td, H, Dv]``. Each decoder sample attends to all of its own encoder sample and nothing else: one fused call
+    per group of pairs of equal lengths, O(sum of Lq x Lk) extra memory; decoder padding gets zeros."""
+    if options.window is not None or options.chunk is not None or options.causal:
+        raise ValueError("packfree's packed cross-attention is full and bidirectional (no window, chunk or causality)")
+    batch, heads, decoder_len, _ = query.shape
+    encoder_len = key.shape[2]
+    flat_q = query.transpose(1, 2).reshape(batch * decoder_len, heads, query.shape[3])
+    flat_k, flat_v = (t.transpose(1, 2).reshape(batch * encoder_len, t.shape[1], t.shape[3]) for t in (key, value))
+    groups, where = pairing.decoder.memo(f"cross_attention_plan:{query.device}",
+                                         lambda: _cross_plan(pairing, query.device))
+    result = query.new_zeros(batch * decoder_len, heads, value.shape[-1])
+    if not groups:  # every decoder row is padding
+        return result.view(batch, decoder_len, heads, value.shape[-1])
+    outputs = []
+    for group in groups:
+        q = flat_q[group.queries].transpose(1, 2)  # [n, H, Lq, D]
+        k, v = flat_k[group.keys].transpose(1, 2), flat_v[group.keys].transpose(1, 2)  # [n, Hkv, Lk, D]
+        if options.needs_eager:
+            out = eager_attention(q, k, v, options, training=training)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=options.dropout if training else 0.0,
+                                                 scale=options.scale, enable_gqa=q.shape[1] != k.shape[1])
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, value.shape[-1]))
+    result = result.index_copy(0, where, torch.cat(outputs).to(result.dtype))
+    return result.view(batch, decoder_len, heads, value.shape[-1])
