@@ -41,6 +41,9 @@ REFUSED: dict[str, str] = {
     "LocalSelfAttention": "Reformer's local attention runs in fixed chunks of the row that also see the previous chunk",
     "DogeCDMoE": "Doge's MoE router splits the router logits of all the batch's tokens into two halves "
                  "(view(2, B * T, -1)), so each token's experts depend on the other tokens of the batch, even in stock",
+    "WhisperEncoder": "Whisper's encoder reads fixed 30-second log-mel windows (input_features) through a conv "
+                      "front-end, one window per row, not a row of tokens; packfree packs Whisper's decoder alone "
+                      "(WhisperForCausalLM)",
 }
 """Layer class -> why packfree cannot run it exactly on packed rows (raised at load)."""
 

@@ -301,6 +301,19 @@ def test_longt5_is_refused_with_its_reason() -> None:
         AutoModelForSeq2SeqLM.from_config(_config("longt5"), attn_implementation="packfree")
 
 
+def test_whisper_is_refused_at_load_with_its_reason_and_its_decoder_alone_loads() -> None:
+    """Whisper's encoder reads audio windows, not a token row: the whole model is refused at load with that reason
+    (before: the proof's internal AttributeError); its decoder alone (WhisperForCausalLM) loads."""
+    from packfree_plugin.gate.shrink import tiny_config_for
+    from transformers import WhisperForCausalLM, WhisperForConditionalGeneration
+
+    packfree_plugin.register()
+    config = tiny_config_for("whisper")
+    with pytest.raises(ValueError, match="WhisperEncoder .Whisper's encoder reads fixed 30-second log-mel windows"):
+        WhisperForConditionalGeneration._from_config(config, attn_implementation="packfree")
+    WhisperForCausalLM._from_config(config, attn_implementation="packfree")
+
+
 @pytest.mark.parametrize("model_type", SEQ2SEQ_TYPES)
 def test_the_gate_admits_seq2seq_proved_exact(model_type: str) -> None:
     """The load-time proof packs samples into the encoder and the decoder alike (decoder inputs = input ids)."""
