@@ -74,3 +74,65 @@ def test_catalogue_types_use_their_hand_written_config() -> None:
     from packfree_plugin.catalogue import CATALOGUE
 
     assert tiny_config_for("qwen3_next").layer_types == CATALOGUE["qwen3_next"]["layer_types"]
+
+
+def _runs(config, class_name: str) -> torch.Tensor:
+    """The tiny model of ``config`` built on stock, its output on 5 tokens: ``[1, 5, *]``."""
+    import transformers
+
+    from packfree_plugin.gate.proof import build_stock
+
+    cls = getattr(transformers, class_name)
+    if not isinstance(config, cls.config_class):
+        config = config.get_text_config()
+    model, _ = build_stock(cls, config)
+    with torch.no_grad():
+        output = model(input_ids=torch.tensor([[3, 4, 5, 6, 7]]), use_cache=False)
+    return output.logits if getattr(output, "logits", None) is not None else output[0]
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("dbrx", "DbrxForCausalLM"),  # default attention config without rope_theta
+    ("dots1", "Dots1ForCausalLM"),  # default without routed experts
+    ("cohere_compass_text", "CohereCompassForCausalLM"),  # default rope parameters not keyed by layer type
+    ("qwen4_exp", "Qwen4ExpForCausalLM"),  # text config without the indexer's budget: the catalogue's text entry
+])
+def test_types_whose_default_config_stock_cannot_build_get_a_published_shape(model_type: str,
+                                                                            class_name: str) -> None:
+    assert _runs(tiny_config_for(model_type), class_name).shape[:2] == (1, 5)
+
+
+def test_per_layer_overrides_shrink_with_the_layers_head_dims_still_adding_up() -> None:
+    """Dots3-Note's sliding layers override the MLA heads and dims (``per_layer_config``): shrunk like the global
+    ones, the layer's head_dim is still qk_nope + qk_rope; the indexer keeps fewer keys than a test sample has."""
+    tiny = tiny_config_for("dots3_note_text")
+    assert {"sliding_attention", "indexed_attention"} <= set(tiny.layer_types)
+    sliding = tiny.per_layer_config["sliding_attention"]
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim <= 64
+    assert sliding.num_attention_heads == sliding.num_key_value_heads <= 4
+    assert tiny.index_topk == WINDOW
+    assert _runs(tiny, "Dots3NoteForCausalLM").shape[:2] == (1, 5)
+    assert _runs(tiny_config_for("dots3_note"), "Dots3NoteForCausalLM").shape[:2] == (1, 5)  # adapters' widths
+
+
+def test_stack_sections_keep_every_layer_kind_and_still_add_up() -> None:
+    """Dory: input, recurrent and output sections (``n_*_layers``) that sum to the depth, serialized with an "mlp"
+    block after every layer (``to_dict`` doubles them): each section keeps each layer kind, and the sections still
+    sum to the kept layers."""
+    full = AutoConfig.for_model("dory")
+    tiny = shrink_config(full)
+    sections = (tiny.n_input_layers, tiny.n_recurrent_layers, tiny.n_output_layers)
+    assert sum(sections) == tiny.num_hidden_layers <= 6 and min(sections) >= 1
+    starts = [0, tiny.n_input_layers, tiny.n_input_layers + tiny.n_recurrent_layers, tiny.num_hidden_layers]
+    for start, end in zip(starts, starts[1:]):
+        assert set(tiny.layer_types[start:end]) == set(full.layer_types)
+    assert _runs(tiny, "DoryForCausalLM").shape[:2] == (1, 5)
+
+
+def test_a_width_equal_to_a_hidden_size_of_the_config_becomes_the_tiny_hidden_size() -> None:
+    """BLT's local decoder projects the global transformer's patches (``hidden_size_global``, the global hidden
+    size): both shrink together."""
+    tiny = tiny_config_for("blt")
+    assert tiny.decoder_config.hidden_size_global == tiny.global_config.hidden_size <= 64
+    assert tiny.encoder_hash_byte_group_vocab <= 1024  # hash embeddings: 6 x 500k x hidden before
+    assert _runs(tiny, "BltForCausalLM").shape[:2] == (1, 5)
