@@ -58,6 +58,7 @@ _WINDOW_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size",
 _PUBLISHED: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config=dict(clip_qkv=8, kv_n_heads=8, rope_theta=500000)),  # stock: no default rope_theta
     "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
+    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
                                 num_hidden_layers=4, rope_parameters=dict(
                                     sliding_attention=dict(rope_type="default", rope_theta=50000.0),
@@ -90,7 +91,7 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
              if "layer" in name and isinstance(value, dict) and value
              and all(str(k).isdigit() and int(k) < count for k in value)}
     shared = values.get("num_kv_shared_layers")  # the last layers reuse an earlier layer's keys and values
-    first_shared = count - shared if isinstance(shared, int) and 0 < shared < count else count
+    first_shared = count - shared if isinstance(shared, int) and 0 < shared <= count else count  # all: assistants
     sections = {name: value for name, value in values.items()  # consecutive stack sections (input / loop / output)
                 if _SECTION.fullmatch(name) and name not in _LAYER_KEYS and name != "num_kv_shared_layers"
                 and isinstance(value, int) and not isinstance(value, bool)}
@@ -203,6 +204,8 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
             values[name] = _HEADS if heads is not None and value >= heads else 2
         elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM:
             values[name] = _HEAD_DIM
+        elif name == "num_codebooks" and value > 1:  # one token stream, as a text-only row (MusicGen)
+            values[name] = 1
         elif name in _EXPERT_KEYS and value > 4:
             values[name] = 4
         elif name in _TOP_K_KEYS and value > 2:

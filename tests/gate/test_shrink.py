@@ -136,3 +136,25 @@ def test_a_width_equal_to_a_hidden_size_of_the_config_becomes_the_tiny_hidden_si
     assert tiny.decoder_config.hidden_size_global == tiny.global_config.hidden_size <= 64
     assert tiny.encoder_hash_byte_group_vocab <= 1024  # hash embeddings: 6 x 500k x hidden before
     assert _runs(tiny, "BltForCausalLM").shape[:2] == (1, 5)
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [("musicgen", "MusicgenForCausalLM"),
+                                                        ("musicgen_melody", "MusicgenMelodyForCausalLM")])
+def test_the_sweep_proves_a_composite_types_decoder_on_one_codebook(model_type: str, class_name: str) -> None:
+    """MusicGen's config holds a text encoder and the decoder: the sweep takes the decoder, shrunk to one codebook
+    so that a text-only row ``[1, T]`` is its input (``[B * codebooks, T]``); its positions are numbered per sample."""
+    from packfree_plugin.gate.sweep import Target, run_target
+
+    assert tiny_config_for(model_type).decoder.num_codebooks == 1
+    result = run_target(Target("causal", model_type, class_name))
+    assert (result.status, result.config_type) == ("exact", f"{model_type}_decoder"), result.detail
+
+
+def test_an_assistant_whose_every_layer_reads_shared_keys_and_values_shrinks() -> None:
+    """Gemma 4's assistant reuses the target model's keys and values in all its layers
+    (``num_kv_shared_layers == num_hidden_layers``): still all of the kept layers."""
+    full = AutoConfig.for_model("gemma4_assistant", text_config=dict(hidden_size_per_layer_input=0,
+                                                                      vocab_size_per_layer_input=0))
+    tiny = shrink_config(full).text_config
+    assert tiny.num_kv_shared_layers == tiny.num_hidden_layers < full.text_config.num_hidden_layers
+    assert set(tiny.layer_types) == set(full.text_config.layer_types)
