@@ -33,9 +33,11 @@ _MAX_LAYERS = 6
 
 _MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
 _CHUNK_KEYS = ("chunk_size", "mamba_chunk_size", "block_size")
-"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks."""
+"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks. (A
+``block_size`` in a config without ``max_position_embeddings`` is its position table, as in Bark: kept.)"""
 _TOPK_KEYS = ("index_topk",)
-"""Keys a sparse-attention indexer keeps per query: shrunk like windows, so that a sample has more keys than that."""
+"""Keys a sparse-attention indexer keeps per query: shrunk like windows, so that a sample has more keys than that
+(and its key pools, ``index_kpool``, to 2 keys, which divides it)."""
 _STATE = 16
 _HASH_BUCKETS = 1024
 _SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
@@ -58,6 +60,9 @@ _WINDOW_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size",
 _PUBLISHED: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config=dict(clip_qkv=8, kv_n_heads=8, rope_theta=500000)),  # stock: no default rope_theta
     "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
+    "emu3": dict(vocabulary_map={"<image>": 120, "<|extra_200|>": 121, "<|visual token 000000|>": 122,
+                                 "<|visual token 000001|>": 123}),  # BPE ids of VQ codes, in the tiny top ids
+    "reformer": dict(is_decoder=True),  # its causal-LM head asserts it (google/reformer-crime-and-punishment)
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
                                 num_hidden_layers=4, rope_parameters=dict(
@@ -178,9 +183,10 @@ def _shrink_values(values: dict[str, Any], hidden_sizes: set[int]) -> None:
 
 
 def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set[int], *, latent: bool) -> None:
-    """Shrink the sizes of one config dict (or one layer's override dict, where ``latent``: an MLA dimension it
-    overrides takes the tiny MLA value, so per-layer head dims still add up) in place; ``heads``: the config's
-    attention heads (None without attention), unless ``values`` sets its own."""
+    """Shrink the sizes of one config dict in place, or one layer's override dict (``latent``: an MLA dimension it
+    overrides takes the tiny MLA value, so per-layer head dims still add up; a head dim of its own becomes twice the
+    tiny one, so it still differs from the global one); ``heads``: the config's attention heads (None without
+    attention), unless ``values`` sets its own."""
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), heads)
     rope = values.get("qk_rope_head_dim")
     if latent:
@@ -192,18 +198,18 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
         if "qk_head_dim" in values:
             values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
     for name, value in list(values.items()):
+        if "dim" in name and isinstance(value, list) and sum(value) in hidden_sizes and len(value) > 1:
+            values[name] = _split(_HIDDEN, value)  # parts of the hidden size (Reformer's axial position dims)
         if not isinstance(value, int) or isinstance(value, bool):
             continue
         if (name in _HIDDEN_KEYS or name == "pooler_hidden_size") and value > _HIDDEN:
-            values[name] = _HIDDEN
-        elif value in hidden_sizes and _WIDTH.search(name) and not _KEEP_DIMS.search(name):
             values[name] = _HIDDEN
         elif name in _HEAD_KEYS and value > _HEADS:
             values[name] = _HEADS
         elif name in _KV_HEAD_KEYS and value > 1:
             values[name] = _HEADS if heads is not None and value >= heads else 2
-        elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM:
-            values[name] = _HEAD_DIM
+        elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM * (2 if latent else 1):
+            values[name] = _HEAD_DIM * (2 if latent else 1)  # a layer's own head dim stays its own
         elif name == "num_codebooks" and value > 1:  # one token stream, as a text-only row (MusicGen)
             values[name] = 1
         elif name in _EXPERT_KEYS and value > 4:
@@ -214,6 +220,10 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
             values[name] = 1
         elif name in ("n_group", "num_expert_group", "topk_group", "n_groups_routed"):
             values[name] = 1
+        elif name == "index_kpool" and value > 2:
+            values[name] = 2
+        elif name == "block_size" and "max_position_embeddings" not in values:
+            continue  # nanoGPT-style: the number of positions
         elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS or name in _TOPK_KEYS) and value > WINDOW:
             values[name] = WINDOW
         elif name.endswith(("d_state", "state_size")) and value > _STATE:
@@ -228,8 +238,17 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
             values[name] = 1
         elif _FFN_NAME.search(name) and value > _FFN:
             values[name] = _FFN
+        elif value in hidden_sizes and _WIDTH.search(name) and not _KEEP_DIMS.search(name):
+            values[name] = _HIDDEN
         elif _LARGE_DIM.search(name) and not _KEEP_DIMS.search(name) and value > _HIDDEN:
             values[name] = _HEAD_DIM * 2
+
+
+def _split(total: int, parts: list[int]) -> list[int]:
+    """``parts`` scaled to add up to ``total``, each at least 1."""
+    scaled = [max(1, part * total // sum(parts)) for part in parts]
+    scaled[-1] += total - sum(scaled)
+    return scaled
 
 
 def _fit_mrope_sections(values: dict[str, Any]) -> None:
@@ -245,9 +264,7 @@ def _fit_mrope_sections(values: dict[str, Any]) -> None:
         return
     half = int(head_dim * rope.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
     if sum(sections) != half:
-        scaled = [max(1, section * half // sum(sections)) for section in sections]
-        scaled[-1] += half - sum(scaled)
-        rope["mrope_section"] = scaled
+        rope["mrope_section"] = _split(half, sections)
 
 
 def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:

@@ -96,6 +96,7 @@ def _runs(config, class_name: str) -> torch.Tensor:
     ("dots1", "Dots1ForCausalLM"),  # default without routed experts
     ("cohere_compass_text", "CohereCompassForCausalLM"),  # default rope parameters not keyed by layer type
     ("qwen4_exp", "Qwen4ExpForCausalLM"),  # text config without the indexer's budget: the catalogue's text entry
+    ("emu3", "Emu3Model"),  # no vocabulary map of image tokens
 ])
 def test_types_whose_default_config_stock_cannot_build_get_a_published_shape(model_type: str,
                                                                             class_name: str) -> None:
@@ -158,3 +159,43 @@ def test_an_assistant_whose_every_layer_reads_shared_keys_and_values_shrinks() -
     tiny = shrink_config(full).text_config
     assert tiny.num_kv_shared_layers == tiny.num_hidden_layers < full.text_config.num_hidden_layers
     assert set(tiny.layer_types) == set(full.text_config.layer_types)
+
+
+def test_reformer_builds_tiny_and_is_refused_at_load_naming_its_lsh_attention() -> None:
+    """Reformer's axial position dims must add up to the hidden size, and its LM head wants a decoder config: the
+    tiny model builds, and packfree refuses it at load (LSH buckets and sorts the whole row)."""
+    import transformers
+
+    from packfree_plugin.gate import bypassed
+
+    tiny = tiny_config_for("reformer")
+    assert sum(tiny.axial_pos_embds_dim) == tiny.hidden_size <= 64 and tiny.is_decoder
+    assert _runs(tiny, "ReformerModelWithLMHead").shape[:2] == (1, 5)
+    with bypassed(), pytest.raises(ValueError, match="LSHSelfAttention"):
+        transformers.ReformerModelWithLMHead._from_config(tiny, attn_implementation="packfree")
+
+
+def test_a_block_size_that_counts_positions_is_kept() -> None:
+    """Bark's ``block_size`` is its position table (no ``max_position_embeddings`` beside it), not a chunk of
+    block-wise attention as in BigBird or MiniMax (shrunk to the window)."""
+    tiny = tiny_config_for("bark").semantic_config
+    assert tiny.block_size >= 64 and tiny.hidden_size <= 64
+    assert shrink_config(AutoConfig.for_model("big_bird")).block_size == WINDOW
+    assert _runs(tiny, "BarkSemanticModel").shape[:2] == (1, 5)  # a table of 4 positions could not
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "glm5_next_text"])
+def test_a_sparse_indexer_keeps_fewer_keys_than_a_test_sample_has(model_type: str) -> None:
+    """DSA's top-k (2048 by default) shrinks to the window, so the proof's samples (5+ tokens) are longer than it
+    and the indexer really selects; GLM-5-Next's key pools still divide it."""
+    tiny = shrink_config(AutoConfig.for_model(model_type))
+    assert tiny.index_topk == WINDOW
+    assert tiny.index_topk % getattr(tiny, "index_kpool", 1) == 0
+
+
+def test_a_layer_kinds_own_head_dim_stays_distinct_from_the_global_one() -> None:
+    """Gemma 4's full-attention layers override the head dim (512 vs 256): shrunk, still larger than the global
+    one, so the tiny model keeps both attention shapes."""
+    tiny = shrink_config(AutoConfig.for_model("gemma4_text"))
+    head_dims = {kind: tiny.per_layer_config[tiny.layer_types.index(kind)].head_dim for kind in set(tiny.layer_types)}
+    assert head_dims["sliding_attention"] < head_dims["full_attention"] <= 64
