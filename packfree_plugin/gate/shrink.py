@@ -6,12 +6,15 @@ distinct per-layer setting: the layers kept are chosen so that each value of eac
 (``layer_types``, ``mlp_layer_types``, ``layers_block_type``, ...) and each membership of a layer-index list
 (``attn_layer_indices``, ``mlp_only_layers``, ...) appears at least once. Periodic patterns
 (``sliding_window_pattern``, ``global_attn_every_n_layers``, ...) are shortened to period 2; windows,
-attention chunks and the chunks / blocks of chunked scans to 4 tokens, so that short test samples still
-cross them. Sub-configs (``text_config``,
-``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
+attention chunks, the chunks / blocks of chunked scans and a sparse indexer's top-k to 4 tokens, so that short
+test samples still cross them. Stack sections (``n_input_layers`` / ``n_recurrent_layers`` / ``n_output_layers``)
+keep every layer kind each and still add up; a layer's override dict (``per_layer_config``) shrinks with the global
+values; a width equal to a hidden size of the config (an adapter's input) becomes the tiny hidden size. Sub-configs
+(``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
 
 :func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
-:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config shrunk.
+:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config (with the
+published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the default) shrunk.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
 
 
 def _is_sub_config(value: Any) -> bool:
+    """Whether a value of a config dict is a nested config dict."""
     return isinstance(value, dict) and ("model_type" in value or any(k in value for k in _HIDDEN_KEYS))
 
 
