@@ -217,7 +217,8 @@ DOGE_ATTENTION = register_adapter(MixerAdapter(
     notes="dynamic mask attention: value-derived key scores added to the mask, top keep_window_size keys kept",
 ))
 SPARSE_INDEXER_ATTENTION = register_adapter(MixerAdapter(
-    "sparse_indexer_attention", ("DeepseekV32Attention", "AXK2Attention"), token_args=("position_embeddings",),
+    "sparse_indexer_attention", ("DeepseekV32Attention", "AXK2Attention", "Dots3NoteTextAttention"),
+    token_args=("position_embeddings",),
     output_index=0, attention="sdpa",
     notes="DSA: an indexer picks each query's top-k keys from a dense mask; per sample the top-k stays inside the sample",
 ))

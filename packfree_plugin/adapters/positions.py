@@ -131,6 +131,8 @@ def _shrink(name: str, value: Any, boundaries: Boundaries, length: int) -> Any:
     if isinstance(value, torch.Tensor):
         if value.ndim >= 2 and value.shape[1] == seq_len and value.shape[0] in (1, boundaries.batch_size):
             value = value[:1, :length]
+        elif _is_codebook_ids(value) and value.shape[2] == seq_len and value.shape[0] in (1, boundaries.batch_size):
+            value = value[:1, :, :length]
         elif value.ndim == 1 and value.shape[0] == seq_len:
             value = value[:length]
         else:
@@ -185,6 +187,7 @@ register_position_adapter(PositionAdapter("shape_positions", (
     "MvpLearnedPositionalEmbedding", "TrOCRLearnedPositionalEmbedding", "BigBirdPegasusLearnedPositionalEmbedding",
     "BlenderbotLearnedPositionalEmbedding", "BlenderbotSmallLearnedPositionalEmbedding",
     "MarianSinusoidalPositionalEmbedding", "PegasusSinusoidalPositionalEmbedding", "XGLMSinusoidalPositionalEmbedding",
+    "MusicgenSinusoidalPositionalEmbedding", "MusicgenMelodySinusoidalPositionalEmbedding",
 ), "by_shape", notes="learned (BART-style, offset 2) and sinusoidal tables indexed by the position in the input"))
 register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings", "TrOCRSinusoidalPositionalEmbedding"),
                                           "per_sample",
@@ -192,9 +195,17 @@ register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings"
                                                 "TrOCR's sinusoidal positions count the non-padding tokens"))
 
 # ---------------------------------------------------------------------------------------- the wrapper
+def _is_codebook_ids(value: torch.Tensor) -> bool:
+    """``[B, codebooks, T]`` token ids (MusicGen's parallel audio-code streams)."""
+    return value.ndim == 3 and not value.is_floating_point()
+
+
 def _row_length(arguments: dict[str, Any]) -> int | None:
-    """``T`` of the module's input: its first ``[B, T, ...]`` tensor, ``(B, T)`` shape or ``[T]`` positions."""
+    """``T`` of the module's input: its first ``[B, T, ...]`` tensor, ``[B, codebooks, T]`` ids, ``(B, T)`` shape or
+    ``[T]`` positions."""
     for value in arguments.values():
+        if isinstance(value, torch.Tensor) and _is_codebook_ids(value):
+            return int(value.shape[2])
         if isinstance(value, torch.Tensor) and value.ndim >= 1:
             return int(value.shape[1] if value.ndim >= 2 else value.shape[0])
         if isinstance(value, tuple) and len(value) >= 2 and all(isinstance(v, int) for v in value[:2]):

@@ -119,8 +119,9 @@ def segment_attention(
                      training=training, query_block=query_block, bias=bias).transpose(1, 2)  # [n, L, H, Dv]
         for group in plan.groups
     ]
-    if plan.where is None and outputs:  # one group: the whole batch, in order
-        return outputs[0].reshape(batch, seq_len, heads, value.shape[-1]).to(query.dtype)
+    if plan.where is None and outputs:  # one group: the whole batch, in order (contiguous, as stock's output is:
+        # Dory views it)
+        return outputs[0].reshape(batch, seq_len, heads, value.shape[-1]).contiguous().to(query.dtype)
     result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
     if plan.where is not None:
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])

@@ -6,12 +6,15 @@ distinct per-layer setting: the layers kept are chosen so that each value of eac
 (``layer_types``, ``mlp_layer_types``, ``layers_block_type``, ...) and each membership of a layer-index list
 (``attn_layer_indices``, ``mlp_only_layers``, ...) appears at least once. Periodic patterns
 (``sliding_window_pattern``, ``global_attn_every_n_layers``, ...) are shortened to period 2; windows,
-attention chunks and the chunks / blocks of chunked scans to 4 tokens, so that short test samples still
-cross them. Sub-configs (``text_config``,
-``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
+attention chunks, the chunks / blocks of chunked scans and a sparse indexer's top-k to 4 tokens, so that short
+test samples still cross them. Stack sections (``n_input_layers`` / ``n_recurrent_layers`` / ``n_output_layers``)
+keep every layer kind each and still add up; a layer's override dict (``per_layer_config``) shrinks with the global
+values; a width equal to a hidden size of the config (an adapter's input) becomes the tiny hidden size. Sub-configs
+(``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
 
 :func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
-:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config shrunk.
+:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config (with the
+published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the default) shrunk.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ _MAX_LAYERS = 6
 
 _MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
 _CHUNK_KEYS = ("chunk_size", "mamba_chunk_size", "block_size")
-"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks."""
+"""Chunks of chunked scans / block-wise attention: shrunk like windows, so samples span several chunks. (A
+``block_size`` in a config without ``max_position_embeddings`` is its position table, as in Bark: kept.)"""
+_TOPK_KEYS = ("index_topk",)
+"""Keys a sparse-attention indexer keeps per query: shrunk like windows, so that a sample has more keys than that
+(and its key pools, ``index_kpool``, to 2 keys, which divides it)."""
 _STATE = 16
+_HASH_BUCKETS = 1024
 _SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
               ("n_mamba_heads", "mamba_headdim", "mamba_expand"))
 _HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "embedding_size",
@@ -44,19 +52,35 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encode
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
               "n_heads", "num_decoder_attention_heads")
 _KV_HEAD_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
-                 "num_kv_heads_per_layer")
+                 "num_kv_heads_per_layer", "kv_n_heads")
 _HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "attention_head_size", "d_head")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
                 "n_experts", "num_moe_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "num_selected_experts",
                "moe_k", "router_top_k")
 _WINDOW_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention",
-                "attention_window", "window_size", "swa_window_size")
+                "attention_window", "window_size", "swa_window_size", "local_attention_window_len")
+_PUBLISHED: dict[str, dict[str, Any]] = {
+    "dbrx": dict(attn_config=dict(clip_qkv=8, kv_n_heads=8, rope_theta=500000)),  # stock: no default rope_theta
+    "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
+    "emu3": dict(vocabulary_map={"<image>": 120, "<|extra_200|>": 121, "<|visual token 000000|>": 122,
+                                 "<|visual token 000001|>": 123}),  # BPE ids of VQ codes, in the tiny top ids
+    "reformer": dict(is_decoder=True),  # its causal-LM head asserts it (google/reformer-crime-and-punishment)
+    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
+    "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
+                                num_hidden_layers=4, rope_parameters=dict(
+                                    sliding_attention=dict(rope_type="default", rope_theta=50000.0),
+                                    full_attention=None)),
+}
+"""Model type -> values its published checkpoints set and its default config lacks or gets wrong, so that stock
+cannot build a model from the default (given at full size, before shrinking)."""
 _SPECIAL_IDS = re.compile(r"(_token_id|_token_index|_id)$")
 _PERIOD = re.compile(r"(period|interval|_pattern|every_n|_step$)")
 _OFFSET = re.compile(r"(offset|first_k_dense_replace|num_dense_layers|first_dense)")
 _FFN_NAME = re.compile(r"(intermediate|ffn|d_ff$|n_inner$|mlp_dim|ff_dim|hidden_dim_ff)")
 _LARGE_DIM = re.compile(r"(_dim$|_size$|_rank$|_channels$|_width$)")
+_SECTION = re.compile(r"n(um)?_(?!hidden_)\w+_layers")
+_WIDTH = re.compile(r"(size|dim)")
 _KEEP_DIMS = re.compile(r"(vocab|position|max_|window|chunk|block|patch|image|kernel|buckets|bucket|conv|"
                         r"seq_len|length|context|num_)")
 
@@ -75,7 +99,13 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
              if "layer" in name and isinstance(value, dict) and value
              and all(str(k).isdigit() and int(k) < count for k in value)}
     shared = values.get("num_kv_shared_layers")  # the last layers reuse an earlier layer's keys and values
-    first_shared = count - shared if isinstance(shared, int) and 0 < shared < count else count
+    first_shared = count - shared if isinstance(shared, int) and 0 < shared <= count else count  # all: assistants
+    sections = {name: value for name, value in values.items()  # consecutive stack sections (input / loop / output)
+                if _SECTION.fullmatch(name) and name not in _LAYER_KEYS and name != "num_kv_shared_layers"
+                and isinstance(value, int) and not isinstance(value, bool)}
+    if len(sections) < 2 or sum(sections.values()) != count:
+        sections = {}
+    section_of = [name for name, size in sections.items() for _ in range(size)]
     seen: set[tuple[str, str]] = set()
     kept: list[int] = []
     for layer in range(count):
@@ -84,6 +114,8 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
         features |= {(name, repr(layer in value)) for name, value in index_lists.items()}
         features |= {(name, repr(value.get(str(layer), value.get(f"{layer:02d}", value.get(layer)))))
                      for name, value in keyed.items()}
+        if sections:  # every layer kind in every section
+            features = {(f"{name}@{section_of[layer]}", value) for name, value in features | {("section", "")}}
         if not features <= seen or not kept:
             kept.append(layer)
             seen |= features
@@ -93,6 +125,8 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
         values[name] = type(value)(value[i] for i in kept)
     if first_shared < count:
         values["num_kv_shared_layers"] = sum(layer >= first_shared for layer in kept)
+    for name in sections:
+        values[name] = sum(section_of[layer] == name for layer in kept)
     for name, value in index_lists.items():
         values[name] = type(value)(kept.index(i) for i in value if i in kept)
     for name, value in keyed.items():
@@ -101,11 +135,23 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
     return len(kept)
 
 
-def _shrink_values(values: dict[str, Any]) -> None:
-    """Shrink one config's ``to_dict()`` in place (sub-config dicts recursively)."""
+def _is_sub_config(value: Any) -> bool:
+    """Whether a value of a config dict is a nested config dict."""
+    return isinstance(value, dict) and ("model_type" in value or any(k in value for k in _HIDDEN_KEYS))
+
+
+def _hidden_sizes(values: dict[str, Any]) -> set[int]:
+    """The hidden sizes of a config dict and of its sub-configs, before shrinking."""
+    sizes = {v for k, v in values.items() if k in _HIDDEN_KEYS and isinstance(v, int) and v > _HIDDEN}
+    return sizes.union(*(_hidden_sizes(v) for v in values.values() if _is_sub_config(v)))
+
+
+def _shrink_values(values: dict[str, Any], hidden_sizes: set[int]) -> None:
+    """Shrink one config's ``to_dict()`` in place (sub-config dicts recursively); ``hidden_sizes``: those of the
+    whole config, before shrinking (a width equal to one, such as an adapter's input, becomes the tiny hidden)."""
     for value in values.values():
-        if isinstance(value, dict) and ("model_type" in value or any(k in value for k in _HIDDEN_KEYS)):
-            _shrink_values(value)
+        if _is_sub_config(value):
+            _shrink_values(value, hidden_sizes)
     shrunk: dict[int, int] = {}  # layer count -> kept count (encoder and decoder stacks may share a count)
     for name in _LAYER_KEYS:
         count = values.get(name)
@@ -119,46 +165,11 @@ def _shrink_values(values: dict[str, Any]) -> None:
             values[name] = _HIDDEN // _HEADS if name == "head_dim" else _HEADS
     if any(isinstance(values.get(k), int) for k in _EXPERT_KEYS):  # experts but a None top-k default
         values.update({k: 2 for k in _TOP_K_KEYS if k in values and values[k] is None})
-    rope = values.get("qk_rope_head_dim")
-    if isinstance(rope, int) and rope > _MLA["qk_rope_head_dim"]:  # multi-head latent attention: small ranks
-        if values.get("head_dim") == rope:  # DeepSeek-V2/V3: head_dim is the rotary part
-            values["head_dim"] = _MLA["qk_rope_head_dim"]
-        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int)})
-        if "qk_head_dim" in values:
-            values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
-    for name, value in list(values.items()):
-        if not isinstance(value, int) or isinstance(value, bool):
-            continue
-        if (name in _HIDDEN_KEYS or name == "pooler_hidden_size") and value > _HIDDEN:
-            values[name] = _HIDDEN
-        elif name in _HEAD_KEYS and value > _HEADS:
-            values[name] = _HEADS
-        elif name in _KV_HEAD_KEYS and value > 1:
-            values[name] = _HEADS if heads is not None and value >= heads else 2
-        elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM:
-            values[name] = _HEAD_DIM
-        elif name in _EXPERT_KEYS and value > 4:
-            values[name] = 4
-        elif name in _TOP_K_KEYS and value > 2:
-            values[name] = 2
-        elif name in ("n_shared_experts", "num_shared_experts") and value > 1:
-            values[name] = 1
-        elif name in ("n_group", "num_expert_group", "topk_group", "n_groups_routed"):
-            values[name] = 1
-        elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS) and value > WINDOW:
-            values[name] = WINDOW
-        elif name.endswith(("d_state", "state_size")) and value > _STATE:
-            values[name] = _STATE
-        elif name == "vocab_size" and value > TINY_VOCAB:
-            values[name] = TINY_VOCAB
-        elif _PERIOD.search(name) and value > 2 and "head" not in name:
-            values[name] = 2
-        elif _OFFSET.search(name) and value > 1:
-            values[name] = 1
-        elif _FFN_NAME.search(name) and value > _FFN:
-            values[name] = _FFN
-        elif _LARGE_DIM.search(name) and not _KEEP_DIMS.search(name) and value > _HIDDEN:
-            values[name] = _HEAD_DIM * 2
+    _shrink_scalars(values, heads, hidden_sizes, latent=False)
+    for name, value in values.items():  # per-layer overrides ({"02": {"num_attention_heads": 64, ...}, ...})
+        if "layer" in name and isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+            for override in value.values():
+                _shrink_scalars(override, heads, hidden_sizes, latent=True)
     if isinstance(values.get("rotary_dim"), int) and values["rotary_dim"] > _HEAD_DIM:
         values["rotary_dim"] = _HEAD_DIM
     for heads, dim, expand in _SSM_HEADS:  # Mamba2 heads: heads * head_dim == hidden * expand
@@ -175,6 +186,75 @@ def _shrink_values(values: dict[str, Any]) -> None:
         _remap_special_ids(values, min(int(values["vocab_size"] or TINY_VOCAB), TINY_VOCAB))
 
 
+def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set[int], *, latent: bool) -> None:
+    """Shrink the sizes of one config dict in place, or one layer's override dict (``latent``: an MLA dimension it
+    overrides takes the tiny MLA value, so per-layer head dims still add up; a head dim of its own becomes twice the
+    tiny one, so it still differs from the global one); ``heads``: the config's attention heads (None without
+    attention), unless ``values`` sets its own."""
+    heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), heads)
+    rope = values.get("qk_rope_head_dim")
+    if latent:
+        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int) and values[k] > v})
+    elif isinstance(rope, int) and rope > _MLA["qk_rope_head_dim"]:  # multi-head latent attention: small ranks
+        if values.get("head_dim") == rope:  # DeepSeek-V2/V3: head_dim is the rotary part
+            values["head_dim"] = _MLA["qk_rope_head_dim"]
+        values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int)})
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
+    for name, value in list(values.items()):
+        if "dim" in name and isinstance(value, list) and sum(value) in hidden_sizes and len(value) > 1:
+            values[name] = _split(_HIDDEN, value)  # parts of the hidden size (Reformer's axial position dims)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if (name in _HIDDEN_KEYS or name == "pooler_hidden_size") and value > _HIDDEN:
+            values[name] = _HIDDEN
+        elif name in _HEAD_KEYS and value > _HEADS:
+            values[name] = _HEADS
+        elif name in _KV_HEAD_KEYS and value > 1:
+            values[name] = _HEADS if heads is not None and value >= heads else 2
+        elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM * (2 if latent else 1):
+            values[name] = _HEAD_DIM * (2 if latent else 1)  # a layer's own head dim stays its own
+        elif name == "num_codebooks" and value > 1:  # one token stream, as a text-only row (MusicGen)
+            values[name] = 1
+        elif name in _EXPERT_KEYS and value > 4:
+            values[name] = 4
+        elif name in _TOP_K_KEYS and value > 2:
+            values[name] = 2
+        elif name in ("n_shared_experts", "num_shared_experts") and value > 1:
+            values[name] = 1
+        elif name in ("n_group", "num_expert_group", "topk_group", "n_groups_routed"):
+            values[name] = 1
+        elif name == "index_kpool" and value > 2:
+            values[name] = 2
+        elif name == "block_size" and "max_position_embeddings" not in values:
+            continue  # nanoGPT-style: the number of positions
+        elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS or name in _TOPK_KEYS) and value > WINDOW:
+            values[name] = WINDOW
+        elif name.endswith(("d_state", "state_size")) and value > _STATE:
+            values[name] = _STATE
+        elif name == "vocab_size" and value > TINY_VOCAB:
+            values[name] = TINY_VOCAB
+        elif "hash" in name and "vocab" in name and value > _HASH_BUCKETS:  # a hash embedding's table (BLT)
+            values[name] = _HASH_BUCKETS
+        elif _PERIOD.search(name) and value > 2 and "head" not in name:
+            values[name] = 2
+        elif _OFFSET.search(name) and value > 1:
+            values[name] = 1
+        elif _FFN_NAME.search(name) and value > _FFN:
+            values[name] = _FFN
+        elif value in hidden_sizes and _WIDTH.search(name) and not _KEEP_DIMS.search(name):
+            values[name] = _HIDDEN
+        elif _LARGE_DIM.search(name) and not _KEEP_DIMS.search(name) and value > _HIDDEN:
+            values[name] = _HEAD_DIM * 2
+
+
+def _split(total: int, parts: list[int]) -> list[int]:
+    """``parts`` scaled to add up to ``total``, each at least 1."""
+    scaled = [max(1, part * total // sum(parts)) for part in parts]
+    scaled[-1] += total - sum(scaled)
+    return scaled
+
+
 def _fit_mrope_sections(values: dict[str, Any]) -> None:
     """Multimodal RoPE's (t, h, w) ``mrope_section`` must add up to half the rotary width, which shrinking the
     heads changed (Qwen2/2.5-VL, GLM-4V): scale it, keeping each section at least 1."""
@@ -188,9 +268,7 @@ def _fit_mrope_sections(values: dict[str, Any]) -> None:
         return
     half = int(head_dim * rope.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
     if sum(sections) != half:
-        scaled = [max(1, section * half // sum(sections)) for section in sections]
-        scaled[-1] += half - sum(scaled)
-        rope["mrope_section"] = scaled
+        rope["mrope_section"] = _split(half, sections)
 
 
 def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
@@ -221,10 +299,16 @@ def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
 def shrink_config(config):
     """A fresh tiny config of ``config``'s class that keeps each of its distinct layer kinds (see the module doc)."""
     values = config.to_dict()
+    if any(isinstance(values.get(name), int) and values[name] != getattr(config, name) for name in _LAYER_KEYS):
+        # a serialized form with more layers than the model builds (Dory interleaves "mlp" blocks): shrink the
+        # model's own per-layer values, which the constructor takes as they are
+        values.update({name: getattr(config, name) for name, value in values.items()
+                       if isinstance(value, (int, list)) and not isinstance(value, bool)
+                       and getattr(config, name, value) != value})
     for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
                  "quantization_config"):
         values.pop(name, None)
-    _shrink_values(values)
+    _shrink_values(values, _hidden_sizes(values))
     values.pop("model_type", None)
     return type(config)(**values)
 
@@ -237,7 +321,10 @@ def tiny_config_for(model_type: str):
 
     if model_type in CATALOGUE:
         return catalogue_config(model_type)
-    config = shrink_config(AutoConfig.for_model(model_type))
+    config = shrink_config(AutoConfig.for_model(model_type, **_PUBLISHED.get(model_type, {})))
+    for name, sub in vars(config).items():  # a composite type's text model that has a catalogue entry uses it
+        if isinstance(getattr(sub, "model_type", None), str) and sub.model_type in CATALOGUE:
+            setattr(config, name, catalogue_config(sub.model_type))
     languages = getattr(config, "languages", None)
     if getattr(config, "default_language", False) is None and languages:  # X-MOD: no language, no forward
         config.default_language = languages[0]

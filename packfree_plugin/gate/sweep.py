@@ -115,7 +115,7 @@ def run_target(target: Target) -> Result:
         cls = getattr(transformers, target.cls)
         config = tiny_config_for(target.model_type)
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
-            config = config.get_text_config()  # a text model of a composite (multimodal) type
+            config = config.get_text_config(decoder=True)  # a composite type's text model (the decoder: MusicGen)
         result.config_type = config.model_type
     except Exception as error:  # noqa: BLE001
         result.detail = f"tiny config: {_error(error)}"

@@ -99,8 +99,10 @@ def test_the_sweep_runs_targets_in_workers_and_stops_one_past_its_time_limit() -
     records the target as not buildable (over the limit) instead of waiting for it."""
     from packfree_plugin.gate.sweep import sweep
 
-    chosen = [Target("causal", "llama", "LlamaForCausalLM"), Target("causal", "dbrx", "DbrxModel")]
+    chosen = [Target("causal", "llama", "LlamaForCausalLM"),
+              Target("causal", "gemma4_assistant", "Gemma4AssistantForCausalLM")]
     verdicts = {r.cls: r.status for r in sweep(chosen, progress=False)}
-    assert verdicts == {"LlamaForCausalLM": "exact", "DbrxModel": "unbuildable"}  # stock fails on its tiny config
+    # stock's assistant cannot run without its target model's keys and values
+    assert verdicts == {"LlamaForCausalLM": "exact", "Gemma4AssistantForCausalLM": "unbuildable"}
     (late,) = sweep(chosen[:1], time_limit=0.05, progress=False)
     assert late.status == "unbuildable" and "time limit" in late.detail

@@ -44,6 +44,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "hy_v4": ("HYV4ForCausalLM", {"index_topk": 4}),  # DSA shared, sinks: eager
     "axk2": ("AXK2ForCausalLM", {"index_topk": 4}),
     "llama4_text": ("Llama4ForCausalLM", {}),  # chunked attention (chunk 4) on its chunked layers
+    "dots3_note_text": ("Dots3NoteForCausalLM", {}),  # DSA indexer layers + MLA sliding layers with their own heads
+    # types whose tiny config needed the shrinker's help (gate/shrink.py): plain attention, built since
+    "dory": ("DoryForCausalLM", {}),  # input / looped / output layer sections, sliding and full layers in each
+    "dbrx": ("DbrxForCausalLM", {}),
+    "dots1": ("Dots1ForCausalLM", {}),
+    "cohere_compass_text": ("CohereCompassForCausalLM", {}),  # sliding RoPE layers, full NoPE layers
     # multimodal models with an audio conv front-end, text only: the audio tower never sees the packed row
     "phi4_multimodal": ("Phi4MultimodalForCausalLM", {}),
     "moss_transcribe_diarize": ("MossTranscribeDiarizeForConditionalGeneration", {}),

@@ -40,6 +40,8 @@ TARGETS = [
     # ... with attention that adds a dense mask itself
     ("trocr", "TrOCRForCausalLM"), ("xglm", "XGLMForCausalLM"), ("mvp", "MvpForConditionalGeneration"),
     ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration"), ("bigbird_pegasus", "BigBirdPegasusForCausalLM"),
+    # ... numbered from the [B, codebooks, T] ids (one codebook here) or the embeddings: MusicGen's decoders
+    ("musicgen_decoder", "MusicgenForCausalLM"), ("musicgen_melody_decoder", "MusicgenMelodyForCausalLM"),
     # token shift
     ("mobilebert", "MobileBertForMaskedLM"),
 ]
@@ -139,7 +141,7 @@ def test_packed_samples_equal_each_sample_alone(model_type: str, class_name: str
 
 @pytest.mark.parametrize(("model_type", "class_name"), [
     ("roberta", "RobertaModel"), ("mra", "MraModel"), ("bart", "BartForCausalLM"), ("xglm", "XGLMModel"),
-    ("mobilebert", "MobileBertModel"), ("bart", "BartModel"),
+    ("mobilebert", "MobileBertModel"), ("bart", "BartModel"), ("musicgen_decoder", "MusicgenForCausalLM"),
 ])
 def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> None:
     """``cu_seq_lens`` beside position ids that run on across the row: exact with the position adapters, and
@@ -172,7 +174,8 @@ def test_packed_rows_ending_in_padding(model_type: str, class_name: str) -> None
 
 UNPACKED = [("roberta", "RobertaForMaskedLM"), ("mra", "MraModel"), ("bart", "BartForCausalLM"),
             ("xglm", "XGLMForCausalLM"), ("trocr", "TrOCRForCausalLM"), ("mvp", "MvpForConditionalGeneration"),
-            ("mobilebert", "MobileBertForMaskedLM"), ("marian", "MarianForCausalLM")]
+            ("mobilebert", "MobileBertForMaskedLM"), ("marian", "MarianForCausalLM"),
+            ("musicgen_decoder", "MusicgenForCausalLM"), ("musicgen_melody_decoder", "MusicgenMelodyForCausalLM")]
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
