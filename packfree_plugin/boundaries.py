@@ -79,7 +79,7 @@ class Boundaries:
         cu_seqlens: torch.Tensor | None = None,
     ) -> None:
         """Validate host ``offsets`` (see class docstring). ``cu_seqlens``: optional device copy to reuse."""
-        offsets = tuple(int(o) for o in offsets)
+        offsets = tuple(map(int, offsets))
         total = batch_size * seq_len
         if len(offsets) < 2 or offsets[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 entries, got {list(offsets[:8])}")
@@ -88,12 +88,13 @@ class Boundaries:
                 f"cu_seqlens must end at the number of tokens {total} (B={batch_size} x T={seq_len}), "
                 f"got {offsets[-1]}: sample lengths do not sum to the row"
             )
-        for i in range(1, len(offsets)):
+        lengths = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        if min(lengths) <= 0:
+            i = next(i for i, length in enumerate(lengths, 1) if length <= 0)
             if offsets[i] < offsets[i - 1]:
                 raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets[i - 1]} then {offsets[i]} at {i}")
-            if offsets[i] == offsets[i - 1]:
-                raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
-        missing_row_starts = sorted(set(range(0, total, seq_len)) - set(offsets))
+            raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
+        missing_row_starts = sorted(set(range(0, total, seq_len)).difference(offsets)) if batch_size > 1 else ()
         if missing_row_starts:
             raise ValueError(
                 f"a segment crosses a row boundary: rows start at multiples of T={seq_len} but cu_seqlens "
@@ -107,7 +108,7 @@ class Boundaries:
         self.offsets = offsets
         self.padding = padding
         self.device = torch.device(device)
-        self.lengths: tuple[int, ...] = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        self.lengths: tuple[int, ...] = lengths
         """Host tuple of ``N`` segment lengths."""
         self.max_seqlen: int = max(self.lengths)
         """Longest segment, as a host int (what varlen kernels call ``max_seqlen``)."""
@@ -150,10 +151,11 @@ class Boundaries:
             form = self._device_forms[name] = build()
         return form
 
-    def _per_token(self, values: torch.Tensor) -> torch.Tensor:
-        """Host ``[N]`` per-segment values -> host ``[B, T]`` per-token values."""
-        per_token = torch.repeat_interleave(values, torch.tensor(self.lengths, dtype=torch.long))
-        return per_token.view(self.batch_size, self.seq_len)
+    def _per_token(self, values: numpy.ndarray) -> torch.Tensor:
+        """Host ``[N]`` per-segment values -> ``[B, T]`` per-token values on :attr:`device` (numpy on the host: a
+        quarter of torch's per-call cost, and every layer of a short row waits for these)."""
+        per_token = torch.from_numpy(numpy.repeat(values, self.lengths))
+        return per_token.view(self.batch_size, self.seq_len).to(self.device)
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -163,24 +165,22 @@ class Boundaries:
     @property
     def seq_idx(self) -> torch.Tensor:
         """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
-        return self.memo(
-            "seq_idx", lambda: self._per_token(torch.arange(self.num_segments, dtype=torch.int32)).to(self.device)
-        )
+        return self.memo("seq_idx", lambda: self._per_token(numpy.arange(self.num_segments, dtype=numpy.int32)))
 
     @property
     def position_ids(self) -> torch.Tensor:
         """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
         def build() -> torch.Tensor:
-            starts = self._per_token(torch.tensor(self.offsets[:-1], dtype=torch.long))
-            positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long).view_as(starts) - starts
-            return positions.to(self.device)
+            starts = numpy.repeat(numpy.array(self.offsets[:-1], dtype=numpy.int64), self.lengths)
+            positions = numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts
+            return torch.from_numpy(positions).view(self.batch_size, self.seq_len).to(self.device)
 
         return self.memo("position_ids", build)
 
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return self.memo("padding_tokens", lambda: self._per_token(self.host_padding).to(self.device))
+        return self.memo("padding_tokens", lambda: self._per_token(numpy.array(self.padding, dtype=bool)))
 
     def __repr__(self) -> str:
         return (
