@@ -118,10 +118,10 @@ class Boundaries:
         self.is_packed: bool = max(samples_per_row) > 1
         """True when some row holds more than one sample (padding spans do not count)."""
         self.has_padding: bool = any(padding)
-        self.host_offsets = torch.tensor(offsets, dtype=torch.long)
+        self.host_offsets = torch.from_numpy(numpy.array(offsets, dtype=numpy.int64))
         """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive; built here, outside
         any graph, so that a graph takes it as data)."""
-        self.host_padding = torch.tensor(padding, dtype=torch.bool)
+        self.host_padding = torch.from_numpy(numpy.array(padding, dtype=bool))
         """``[N]`` bool on the CPU: the padding flags as a tensor."""
         self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
@@ -402,7 +402,8 @@ def _id_starts(ids: numpy.ndarray, *, planes: bool) -> numpy.ndarray:
     axis is dropped). Bool. (numpy: these few host operations cost a quarter of torch's per-call overhead.)"""
     if planes:
         return (ids == 0).all(axis=0)
-    starts = numpy.ones(ids.shape, dtype=bool)
+    starts = numpy.empty(ids.shape, dtype=bool)
+    starts[..., :1] = True
     numpy.not_equal(ids[..., 1:], ids[..., :-1] + 1, out=starts[..., 1:])
     return starts
 

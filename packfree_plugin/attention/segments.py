@@ -90,6 +90,12 @@ def _gather(flat: torch.Tensor, group: _Group) -> torch.Tensor:
     return flat[group.index].transpose(1, 2)
 
 
+def _as_group(t: torch.Tensor, group: _Group) -> torch.Tensor:
+    """``t [B, H, T, D]`` whose ``B * T`` tokens are the ``group`` in order -> the group's ``[n, H, L, D]`` (a view
+    when ``t`` is the transpose of a ``[B, T, H, D]`` tensor, as transformers hands it over)."""
+    return t.transpose(1, 2).reshape(group.count, group.length, t.shape[1], t.shape[3]).transpose(1, 2)
+
+
 def segment_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -105,19 +111,22 @@ def segment_attention(
     ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
     """
     batch, heads, seq_len, _ = query.shape
+    plan = boundaries.memo(f"segment_attention_plan:{query.device}:{options.chunk}",
+                           lambda: _plan(boundaries, query.device, options.chunk))
+    if plan.where is None and plan.groups:  # one group: the whole batch, in order (samples of one length)
+        group = plan.groups[0]
+        out = _one_segment(_as_group(query, group), _as_group(key, group), _as_group(value, group), options,
+                           training=training, query_block=query_block)
+        return out.transpose(1, 2).reshape(batch, seq_len, heads, value.shape[-1]).to(query.dtype)
     # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
     # these are usually views, not copies
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
                               for t in (query, key, value))
-    plan = boundaries.memo(f"segment_attention_plan:{query.device}:{options.chunk}",
-                           lambda: _plan(boundaries, query.device, options.chunk))
     outputs = [
         _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
                      training=training, query_block=query_block).transpose(1, 2)  # [n, L, H, Dv]
         for group in plan.groups
     ]
-    if plan.where is None and outputs:  # one group: the whole batch, in order
-        return outputs[0].reshape(batch, seq_len, heads, value.shape[-1]).to(query.dtype)
     result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
     if plan.where is not None:
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])
