@@ -29,7 +29,7 @@ so any number of layers can ask for any form without another device sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import numpy
@@ -126,7 +126,7 @@ class Boundaries:
         self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
-        self._device_forms: dict[str, Any] = {}
+        self._device_forms: dict[Hashable, Any] = {}
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 
@@ -142,7 +142,7 @@ class Boundaries:
         return len(self.offsets) - 1
 
     # ------------------------------------------------------------------------------- device forms
-    def memo(self, name: str, build: Callable[[], _Form]) -> _Form:
+    def memo(self, name: Hashable, build: Callable[[], _Form]) -> _Form:
         """The form ``name`` of these boundaries, built by ``build()`` on first use and kept: the device forms
         below, and what consumers derive once per forward rather than once per layer (e.g. the portable
         attention's sample groups)."""
@@ -256,7 +256,7 @@ class Boundaries:
         _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
-        host = position_ids.detach().to("cpu", torch.long)
+        host = position_ids.to("cpu", torch.long)  # integer: never part of an autograd graph
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
         if host.ndim not in (2, 3):
@@ -265,7 +265,7 @@ class Boundaries:
             starts = _id_starts(host.numpy(), planes=host.ndim == 3)
             starts[:, 0] = True
             batch_size, seq_len = starts.shape
-            offsets = numpy.flatnonzero(starts).tolist() + [batch_size * seq_len]
+            offsets = starts.ravel().nonzero()[0].tolist() + [batch_size * seq_len]
             return cls(offsets, batch_size=batch_size, seq_len=seq_len, device=device)
         kept = _host_padding_mask(attention_mask)
         starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
@@ -416,6 +416,8 @@ def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch
                          f"T={seq_len}]")
     if position_ids.shape[-1] != seq_len or position_ids.shape[-2] not in (1, batch_size):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+    if position_ids.shape[-2] == batch_size:
+        return position_ids
     return position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
 
 

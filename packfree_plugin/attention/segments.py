@@ -111,13 +111,14 @@ def segment_attention(
     ``query_block``: queries per block where a binding window, softcap or sinks force blockwise work.
     """
     batch, heads, seq_len, _ = query.shape
-    plan = boundaries.memo(f"segment_attention_plan:{query.device}:{options.chunk}",
+    plan = boundaries.memo(("segment_attention_plan", query.device, options.chunk),
                            lambda: _plan(boundaries, query.device, options.chunk))
     if plan.where is None and plan.groups:  # one group: the whole batch, in order (samples of one length)
         group = plan.groups[0]
         out = _one_segment(_as_group(query, group), _as_group(key, group), _as_group(value, group), options,
                            training=training, query_block=query_block)
-        return out.transpose(1, 2).reshape(batch, seq_len, heads, value.shape[-1]).to(query.dtype)
+        out = out.transpose(1, 2).reshape(batch, seq_len, heads, value.shape[-1])
+        return out if out.dtype == query.dtype else out.to(query.dtype)
     # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
     # these are usually views, not copies
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
