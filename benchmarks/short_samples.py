@@ -11,8 +11,8 @@ and at a tiny width where per-call overhead shows, forward + backward in float32
 Boundaries sit inside chunks (no chunk per sample), so the packed row does the unsplit row's dense work.
 
 Per-forward overhead: tiny models (``packfree_plugin.tiny``), one forward of a 64-token row packed from 4 samples
-under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid.
-Median of interleaved repeats, every ratio from one run.
+under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid, in
+this thread's CPU time. Median of interleaved repeats, every ratio from one run.
 ``python -m benchmarks.short_samples [--quick]``.
 """
 
@@ -33,17 +33,19 @@ def short_lengths(seed: int = 0) -> list[int]:
     return torch.randint(4, 33, (SAMPLES,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _median_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], None]], repeats: int,
+               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median milliseconds of every function over ``repeats`` interleaved runs (after one warm-up run each), so
-    that a disturbance on the shared machine hits all of them alike."""
+    that a disturbance on the shared machine hits all of them alike. ``clock``: ``time.thread_time`` counts only
+    this thread's CPU time (one-thread runs of a millisecond or so, which other processes would otherwise skew)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(clock() - start)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
@@ -136,7 +138,7 @@ def overhead_rows(quick: bool = False) -> list[dict]:
             return call
 
         ms = _median_ms({"packed": forward(models["packfree"], position_ids=positions),
-                      "stock": forward(models["sdpa"])}, repeats=5 if quick else 30)
+                         "stock": forward(models["sdpa"])}, repeats=20 if quick else 300, clock=time.thread_time)
         rows.append({"op": f"forward overhead, tiny {model_type}", "tokens": 64, "samples": 4,
                      "packed ms": ms["packed"], "x stock unsplit": ms["packed"] / ms["stock"],
                      "x packfree unsplit": None})

@@ -275,10 +275,12 @@ def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
     cached = seq_idx.__dict__.get("_packfree_conv_spread")
     if cached is None or cached[0] != key:
         ids = seq_idx.numpy()
-        starts = numpy.ones(ids.shape, dtype=numpy.int64)  # rows start samples too
-        numpy.not_equal(ids[:, 1:], ids[:, :-1], out=starts[:, 1:], casting="unsafe")
-        count = starts.reshape(-1).cumsum()
-        slots = torch.from_numpy(numpy.arange(count.size) + (K - 1) * count)
-        cached = (key, (slots, count.size + (K - 1) * int(count[-1])))
+        starts = numpy.empty(ids.shape, dtype=bool)
+        starts[:, :1] = True  # rows start samples too
+        numpy.not_equal(ids[:, 1:], ids[:, :-1], out=starts[:, 1:])
+        count = starts.ravel().cumsum()  # [B * T] int64: samples started so far
+        slots = numpy.arange(count.size)
+        slots += (K - 1) * count
+        cached = (key, (torch.from_numpy(slots), count.size + (K - 1) * int(count[-1])))
         seq_idx.__dict__["_packfree_conv_spread"] = cached
     return cached[1]
