@@ -16,7 +16,7 @@ recompile when the packing changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,10 @@ BATCHED_UP_TO = 64
 otherwise cost one call each)."""
 
 
-@dataclass(frozen=True)
-class _Group:
+class _Group(NamedTuple):
     """``count`` samples of one ``length`` run as one batched call. ``start``: their first token when they lie back
-    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens."""
+    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens.
+    (Named tuples: built per forward, a frozen dataclass costs several times more.)"""
 
     length: int
     count: int
@@ -50,8 +50,7 @@ class _Group:
         return torch.arange(self.start, self.start + self.count * self.length, device=device)
 
 
-@dataclass(frozen=True)
-class _Plan:
+class _Plan(NamedTuple):
     """How one packing runs: its groups, and where their outputs go (``where [tokens]``, None when the one group
     is the whole batch in order)."""
 
@@ -142,8 +141,10 @@ def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
         if padding:
             continue
-        step = chunk or length
-        spans.extend((offset, min(step, start + length - offset)) for offset in range(start, start + length, step))
+        if not chunk:
+            spans.append((start, length))
+        else:
+            spans.extend((offset, min(chunk, start + length - offset)) for offset in range(start, start + length, chunk))
     return spans
 
 
