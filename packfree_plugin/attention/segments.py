@@ -91,8 +91,14 @@ def _gather(flat: torch.Tensor, group: _Group) -> torch.Tensor:
 
 def _as_group(t: torch.Tensor, group: _Group) -> torch.Tensor:
     """``t [B, H, T, D]`` whose ``B * T`` tokens are the ``group`` in order -> the group's ``[n, H, L, D]`` (a view
-    when ``t`` is the transpose of a ``[B, T, H, D]`` tensor, as transformers hands it over)."""
-    return t.transpose(1, 2).reshape(group.count, group.length, t.shape[1], t.shape[3]).transpose(1, 2)
+    when ``t`` is the transpose of a ``[B, T, H, D]`` tensor, as transformers hands it over; ``t`` itself for one
+    sample per row)."""
+    batch, heads, seq_len, dim = t.shape
+    if group.length == seq_len:
+        return t
+    if batch == 1:  # splitting one dimension is always a view
+        return t.view(heads, group.count, group.length, dim).transpose(0, 1)
+    return t.transpose(1, 2).reshape(group.count, group.length, heads, dim).transpose(1, 2)
 
 
 def segment_attention(
