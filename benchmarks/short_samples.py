@@ -19,9 +19,10 @@ this thread's CPU time. Median of interleaved repeats, every ratio from one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -109,8 +110,24 @@ def _conv(T: int, seq: torch.Tensor, channels: int, K: int) -> dict[str, Callabl
     return {"packed": ours(seq), "packfree unsplit": ours(None), "stock unsplit": stock}
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def overhead_rows(quick: bool = False) -> list[dict]:
-    """One forward, tiny width: packfree on 64 tokens packed from 4 samples vs stock on one 64-token sample."""
+    """One forward, tiny width: packfree on 64 tokens packed from 4 samples vs stock on one 64-token sample, on one
+    torch thread (timed in this thread's CPU time, which a pool thread's work would escape)."""
+    with _one_thread():
+        return _overhead_rows(quick)
+
+
+def _overhead_rows(quick: bool) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
@@ -146,12 +163,8 @@ def overhead_rows(quick: bool = False) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         return _op_rows(quick) + overhead_rows(quick)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _op_rows(quick: bool) -> list[dict]:
