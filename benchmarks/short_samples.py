@@ -11,17 +11,18 @@ and at a tiny width where per-call overhead shows, forward + backward in float32
 Boundaries sit inside chunks (no chunk per sample), so the packed row does the unsplit row's dense work.
 
 Per-forward overhead: tiny models (``packfree_plugin.tiny``), one forward of a 64-token row packed from 4 samples
-under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid.
-Median of interleaved repeats, every ratio from one run.
+under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid, in
+this thread's CPU time. Median of interleaved repeats, every ratio from one run.
 ``python -m benchmarks.short_samples [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -33,17 +34,19 @@ def short_lengths(seed: int = 0) -> list[int]:
     return torch.randint(4, 33, (SAMPLES,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _median_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], None]], repeats: int,
+               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median milliseconds of every function over ``repeats`` interleaved runs (after one warm-up run each), so
-    that a disturbance on the shared machine hits all of them alike."""
+    that a disturbance on the shared machine hits all of them alike. ``clock``: ``time.thread_time`` counts only
+    this thread's CPU time (one-thread runs of a millisecond or so, which other processes would otherwise skew)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[k].append(time.perf_counter() - start)
+            times[k].append(clock() - start)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
@@ -107,8 +110,24 @@ def _conv(T: int, seq: torch.Tensor, channels: int, K: int) -> dict[str, Callabl
     return {"packed": ours(seq), "packfree unsplit": ours(None), "stock unsplit": stock}
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def overhead_rows(quick: bool = False) -> list[dict]:
-    """One forward, tiny width: packfree on 64 tokens packed from 4 samples vs stock on one 64-token sample."""
+    """One forward, tiny width: packfree on 64 tokens packed from 4 samples vs stock on one 64-token sample, on one
+    torch thread (timed in this thread's CPU time, which a pool thread's work would escape)."""
+    with _one_thread():
+        return _overhead_rows(quick)
+
+
+def _overhead_rows(quick: bool) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
@@ -136,7 +155,7 @@ def overhead_rows(quick: bool = False) -> list[dict]:
             return call
 
         ms = _median_ms({"packed": forward(models["packfree"], position_ids=positions),
-                      "stock": forward(models["sdpa"])}, repeats=5 if quick else 30)
+                         "stock": forward(models["sdpa"])}, repeats=20 if quick else 300, clock=time.thread_time)
         rows.append({"op": f"forward overhead, tiny {model_type}", "tokens": 64, "samples": 4,
                      "packed ms": ms["packed"], "x stock unsplit": ms["packed"] / ms["stock"],
                      "x packfree unsplit": None})
@@ -144,12 +163,8 @@ def overhead_rows(quick: bool = False) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         return _op_rows(quick) + overhead_rows(quick)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _op_rows(quick: bool) -> list[dict]:

@@ -29,7 +29,7 @@ so any number of layers can ask for any form without another device sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import numpy
@@ -79,7 +79,7 @@ class Boundaries:
         cu_seqlens: torch.Tensor | None = None,
     ) -> None:
         """Validate host ``offsets`` (see class docstring). ``cu_seqlens``: optional device copy to reuse."""
-        offsets = tuple(int(o) for o in offsets)
+        offsets = tuple(map(int, offsets))
         total = batch_size * seq_len
         if len(offsets) < 2 or offsets[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 entries, got {list(offsets[:8])}")
@@ -88,12 +88,13 @@ class Boundaries:
                 f"cu_seqlens must end at the number of tokens {total} (B={batch_size} x T={seq_len}), "
                 f"got {offsets[-1]}: sample lengths do not sum to the row"
             )
-        for i in range(1, len(offsets)):
+        lengths = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        if min(lengths) <= 0:
+            i = next(i for i, length in enumerate(lengths, 1) if length <= 0)
             if offsets[i] < offsets[i - 1]:
                 raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets[i - 1]} then {offsets[i]} at {i}")
-            if offsets[i] == offsets[i - 1]:
-                raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
-        missing_row_starts = sorted(set(range(0, total, seq_len)) - set(offsets))
+            raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
+        missing_row_starts = sorted(set(range(0, total, seq_len)).difference(offsets)) if batch_size > 1 else ()
         if missing_row_starts:
             raise ValueError(
                 f"a segment crosses a row boundary: rows start at multiples of T={seq_len} but cu_seqlens "
@@ -107,7 +108,7 @@ class Boundaries:
         self.offsets = offsets
         self.padding = padding
         self.device = torch.device(device)
-        self.lengths: tuple[int, ...] = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        self.lengths: tuple[int, ...] = lengths
         """Host tuple of ``N`` segment lengths."""
         self.max_seqlen: int = max(self.lengths)
         """Longest segment, as a host int (what varlen kernels call ``max_seqlen``)."""
@@ -117,15 +118,15 @@ class Boundaries:
         self.is_packed: bool = max(samples_per_row) > 1
         """True when some row holds more than one sample (padding spans do not count)."""
         self.has_padding: bool = any(padding)
-        self.host_offsets = torch.tensor(offsets, dtype=torch.long)
+        self.host_offsets = torch.from_numpy(numpy.array(offsets, dtype=numpy.int64))
         """``[N+1]`` int64 on the CPU: the offsets as a tensor (what compiled graphs receive; built here, outside
         any graph, so that a graph takes it as data)."""
-        self.host_padding = torch.tensor(padding, dtype=torch.bool)
+        self.host_padding = torch.from_numpy(numpy.array(padding, dtype=bool))
         """``[N]`` bool on the CPU: the padding flags as a tensor."""
         self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
-        self._device_forms: dict[str, Any] = {}
+        self._device_forms: dict[Hashable, Any] = {}
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 
@@ -141,7 +142,7 @@ class Boundaries:
         return len(self.offsets) - 1
 
     # ------------------------------------------------------------------------------- device forms
-    def memo(self, name: str, build: Callable[[], _Form]) -> _Form:
+    def memo(self, name: Hashable, build: Callable[[], _Form]) -> _Form:
         """The form ``name`` of these boundaries, built by ``build()`` on first use and kept: the device forms
         below, and what consumers derive once per forward rather than once per layer (e.g. the portable
         attention's sample groups)."""
@@ -150,10 +151,11 @@ class Boundaries:
             form = self._device_forms[name] = build()
         return form
 
-    def _per_token(self, values: torch.Tensor) -> torch.Tensor:
-        """Host ``[N]`` per-segment values -> host ``[B, T]`` per-token values."""
-        per_token = torch.repeat_interleave(values, torch.tensor(self.lengths, dtype=torch.long))
-        return per_token.view(self.batch_size, self.seq_len)
+    def _per_token(self, values: numpy.ndarray) -> torch.Tensor:
+        """Host ``[N]`` per-segment values -> ``[B, T]`` per-token values on :attr:`device` (numpy on the host: a
+        quarter of torch's per-call cost, and every layer of a short row waits for these)."""
+        per_token = torch.from_numpy(numpy.repeat(values, self.lengths))
+        return per_token.view(self.batch_size, self.seq_len).to(self.device)
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -163,24 +165,22 @@ class Boundaries:
     @property
     def seq_idx(self) -> torch.Tensor:
         """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
-        return self.memo(
-            "seq_idx", lambda: self._per_token(torch.arange(self.num_segments, dtype=torch.int32)).to(self.device)
-        )
+        return self.memo("seq_idx", lambda: self._per_token(numpy.arange(self.num_segments, dtype=numpy.int32)))
 
     @property
     def position_ids(self) -> torch.Tensor:
         """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
         def build() -> torch.Tensor:
-            starts = self._per_token(torch.tensor(self.offsets[:-1], dtype=torch.long))
-            positions = torch.arange(self.batch_size * self.seq_len, dtype=torch.long).view_as(starts) - starts
-            return positions.to(self.device)
+            starts = numpy.repeat(numpy.array(self.offsets[:-1], dtype=numpy.int64), self.lengths)
+            positions = numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts
+            return torch.from_numpy(positions).view(self.batch_size, self.seq_len).to(self.device)
 
         return self.memo("position_ids", build)
 
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return self.memo("padding_tokens", lambda: self._per_token(self.host_padding).to(self.device))
+        return self.memo("padding_tokens", lambda: self._per_token(numpy.array(self.padding, dtype=bool)))
 
     def __repr__(self) -> str:
         return (
@@ -256,7 +256,7 @@ class Boundaries:
         _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
-        host = position_ids.detach().to("cpu", torch.long)
+        host = position_ids.to("cpu", torch.long)  # integer: never part of an autograd graph
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
         if host.ndim not in (2, 3):
@@ -265,7 +265,7 @@ class Boundaries:
             starts = _id_starts(host.numpy(), planes=host.ndim == 3)
             starts[:, 0] = True
             batch_size, seq_len = starts.shape
-            offsets = numpy.flatnonzero(starts).tolist() + [batch_size * seq_len]
+            offsets = starts.ravel().nonzero()[0].tolist() + [batch_size * seq_len]
             return cls(offsets, batch_size=batch_size, seq_len=seq_len, device=device)
         kept = _host_padding_mask(attention_mask)
         starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
@@ -402,7 +402,8 @@ def _id_starts(ids: numpy.ndarray, *, planes: bool) -> numpy.ndarray:
     axis is dropped). Bool. (numpy: these few host operations cost a quarter of torch's per-call overhead.)"""
     if planes:
         return (ids == 0).all(axis=0)
-    starts = numpy.ones(ids.shape, dtype=bool)
+    starts = numpy.empty(ids.shape, dtype=bool)
+    starts[..., :1] = True
     numpy.not_equal(ids[..., 1:], ids[..., :-1] + 1, out=starts[..., 1:])
     return starts
 
@@ -415,6 +416,8 @@ def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch
                          f"T={seq_len}]")
     if position_ids.shape[-1] != seq_len or position_ids.shape[-2] not in (1, batch_size):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+    if position_ids.shape[-2] == batch_size:
+        return position_ids
     return position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
 
 

@@ -527,7 +527,8 @@ def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     gradient-checkpointing function carry them into the recomputation that backward runs. Traced by
     torch.compile: nothing here reads tensors or breaks the graph."""
     _push(boundaries_for(kwargs))
-    checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+    # transformers sets it on the instance; a missing attribute through nn.Module.__getattr__ costs every layer
+    checkpoint = module.__dict__.get("_gradient_checkpointing_func")
     if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
         _wrap_checkpoint(module)
 

@@ -30,7 +30,7 @@ from ..context import ForwardParameters, boundaries_for
 from ..ops._nonfinite import Quarantine
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
-from .routes import routed_kernels_of
+from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
 __all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "check_coverage", "dense_causal_mask", "positions_per_sample",
            "register_adapter", "wrap_mixers"]
@@ -308,6 +308,9 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
+    if adapter.native is native_forward and not may_reach_kernels(layer, hidden):
+        # packfree's torch ops keep a sample's NaN or inf out of the others themselves
+        return native_forward(layer, original, boundaries, arguments)
     if adapter.native is not None:
         return _quarantined(adapter, boundaries, arguments, lambda inputs: adapter.native(layer, original, boundaries,
                                                                                              inputs))
@@ -317,8 +320,9 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
 def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[str, Any],
                  run: Callable[[dict[str, Any]], Any]) -> Any:
     """``run(arguments)`` with a sample whose input hidden states hold NaN/inf taken out of the mixing (zeros in, NaN
-    out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (packfree's
-    torch ops quarantine inside as well; fla, mamba-ssm and causal-conv1d do not). Finite inputs pass unchanged.
+    out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (fla,
+    mamba-ssm and causal-conv1d do not isolate samples; packfree's torch ops do, so routed layers that reach only
+    those skip this: :func:`.routes.may_reach_kernels`). Finite inputs pass unchanged.
     Compiled graphs skip it: its per-token sample index follows the packing, which graphs take as data only inside
     packfree's opaque op (whose torch ops quarantine on their own)."""
     if torch.compiler.is_compiling():

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import opaque
+from .. import backends, opaque
 from ..boundaries import Boundaries
 from ..context import NativeCall, enter_native, exit_native, native_call
 from ..opaque import boundary_function
 
-__all__ = ["ROUTED_FUNCTIONS", "ROUTED_KERNELS", "install_routes", "native_forward", "uninstall_routes"]
+__all__ = ["ROUTED_FUNCTIONS", "ROUTED_KERNELS", "install_routes", "may_reach_kernels", "native_forward",
+           "uninstall_routes"]
 
 _ROUTED_ATTR = "_packfree_routed_original"
 
@@ -49,7 +50,8 @@ def _conv_op(boundaries: Boundaries, x: torch.Tensor, weight: torch.Tensor, bias
     """``x [B, T, C]``, ``weight [C, K]`` -> ``[B, T, C]``."""
     from ..ops.conv import causal_conv1d
 
-    return causal_conv1d(x, weight, bias, activation=activation, seq_idx=boundaries.seq_idx)
+    # validate=False: boundaries build their seq_idx valid (reading it back per layer costs a short row dearly)
+    return causal_conv1d(x, weight, bias, activation=activation, seq_idx=boundaries.seq_idx, validate=False)
 
 
 def _conv(call: NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
@@ -128,7 +130,7 @@ def _ssd_op(boundaries: Boundaries, x, dt, A, B, C, D, z, dt_bias, *, chunk_size
     from ..ops.ssd import ssd_chunk_scan
 
     return ssd_chunk_scan(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                          dt_limit=tuple(dt_limit), seq_idx=boundaries.seq_idx).to(x.dtype).contiguous()
+                          dt_limit=tuple(dt_limit), seq_idx=boundaries.seq_idx, validate=False).to(x.dtype).contiguous()
 
 
 def _ssd(call: NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
@@ -229,6 +231,29 @@ ROUTED_FUNCTIONS: dict[str, dict[str, str]] = {
 range in :mod:`packfree_plugin.compat` (``tests/adapters/test_kernel_table.py`` checks each exists)."""
 
 _PREFIX = "transformers.models."
+
+
+@functools.cache
+def _kernel_packages() -> dict[str, tuple[str, str]]:
+    """Routed kernel name -> the CUDA kernel package ``(module, attr)`` its packfree op calls where it can."""
+    from ..ops.conv.op import KERNEL as CONV
+    from ..ops.gated_delta.op import FLA_GDN, FLA_KDA
+    from ..ops.ssd.op import KERNEL as SSD
+
+    return {"causal_conv1d_fn": CONV, "chunk_gated_delta_rule": FLA_GDN, "chunk_kda": FLA_KDA,
+            "mamba_chunk_scan_combined": SSD}
+
+
+def may_reach_kernels(layer: nn.Module, probe: torch.Tensor) -> bool:
+    """Whether a native call of ``layer`` on tensors like ``probe`` may run a CUDA kernel package (causal-conv1d,
+    fla, mamba-ssm) rather than packfree's torch ops only. Those packages do not keep a sample's NaN or inf out of
+    the others, the torch ops do (:mod:`packfree_plugin.ops._nonfinite`; the conv by construction), so the mixer
+    quarantines its input only when this holds. False off CUDA: no device sync, no import."""
+    if not backends.on_cuda(probe):
+        return False
+    routed = ROUTED_FUNCTIONS.get(type(layer).__module__.removeprefix(_PREFIX), {}).values()
+    packages = _kernel_packages()
+    return any(backends.load_kernel(*packages[kernel]) is not None for kernel in routed if kernel in packages)
 
 
 def _router(kernel: str, original: Callable) -> Callable:

@@ -237,7 +237,21 @@ def packfree_attention_forward(
 
 def _chunk_of(module: torch.nn.Module) -> int | None:
     """The chunk size of a chunked-attention layer (transformers' convention: ``config.layer_types[layer_idx]`` is
-    ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None."""
+    ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None. Read once per layer (config reads
+    cost a short row's every layer) and kept on it, outside compiled graphs."""
+    known = module.__dict__.get(_CHUNK_ATTR)
+    if known is not None:
+        return known[0]
+    chunk = _read_chunk(module)
+    if not torch.compiler.is_compiling():
+        module.__dict__[_CHUNK_ATTR] = (chunk,)
+    return chunk
+
+
+_CHUNK_ATTR = "_packfree_attention_chunk"
+
+
+def _read_chunk(module: torch.nn.Module) -> int | None:
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     layer_idx = getattr(module, "layer_idx", None)

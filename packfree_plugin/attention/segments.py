@@ -16,7 +16,7 @@ recompile when the packing changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,10 @@ BATCHED_UP_TO = 64
 otherwise cost one call each)."""
 
 
-@dataclass(frozen=True)
-class _Group:
+class _Group(NamedTuple):
     """``count`` samples of one ``length`` run as one batched call. ``start``: their first token when they lie back
-    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens."""
+    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens.
+    (Named tuples: built per forward, a frozen dataclass costs several times more.)"""
 
     length: int
     count: int
@@ -50,8 +50,7 @@ class _Group:
         return torch.arange(self.start, self.start + self.count * self.length, device=device)
 
 
-@dataclass(frozen=True)
-class _Plan:
+class _Plan(NamedTuple):
     """How one packing runs: its groups, and where their outputs go (``where [tokens]``, None when the one group
     is the whole batch in order)."""
 
@@ -90,6 +89,18 @@ def _gather(flat: torch.Tensor, group: _Group) -> torch.Tensor:
     return flat[group.index].transpose(1, 2)
 
 
+def _as_group(t: torch.Tensor, group: _Group) -> torch.Tensor:
+    """``t [B, H, T, D]`` whose ``B * T`` tokens are the ``group`` in order -> the group's ``[n, H, L, D]`` (a view
+    when ``t`` is the transpose of a ``[B, T, H, D]`` tensor, as transformers hands it over; ``t`` itself for one
+    sample per row)."""
+    batch, heads, seq_len, dim = t.shape
+    if group.length == seq_len:
+        return t
+    if batch == 1:  # splitting one dimension is always a view
+        return t.view(heads, group.count, group.length, dim).transpose(0, 1)
+    return t.transpose(1, 2).reshape(group.count, group.length, heads, dim).transpose(1, 2)
+
+
 def segment_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -108,20 +119,24 @@ def segment_attention(
     it depends only on the distance between query and key, so every segment takes its top-left corner.
     """
     batch, heads, seq_len, _ = query.shape
+    plan = boundaries.memo(("segment_attention_plan", query.device, options.chunk),
+                           lambda: _plan(boundaries, query.device, options.chunk))
+    if plan.where is None and plan.groups:  # one group: the whole batch, in order (samples of one length)
+        group = plan.groups[0]
+        out = _one_segment(_as_group(query, group), _as_group(key, group), _as_group(value, group), options,
+                           training=training, query_block=query_block, bias=bias)
+        # contiguous, as stock's output is (Dory views it)
+        out = out.transpose(1, 2).reshape(batch, seq_len, heads, value.shape[-1]).contiguous()
+        return out if out.dtype == query.dtype else out.to(query.dtype)
     # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
     # these are usually views, not copies
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
                               for t in (query, key, value))
-    plan = boundaries.memo(f"segment_attention_plan:{query.device}:{options.chunk}",
-                           lambda: _plan(boundaries, query.device, options.chunk))
     outputs = [
         _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
                      training=training, query_block=query_block, bias=bias).transpose(1, 2)  # [n, L, H, Dv]
         for group in plan.groups
     ]
-    if plan.where is None and outputs:  # one group: the whole batch, in order (contiguous, as stock's output is:
-        # Dory views it)
-        return outputs[0].reshape(batch, seq_len, heads, value.shape[-1]).contiguous().to(query.dtype)
     result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
     if plan.where is not None:
         values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])
@@ -136,8 +151,10 @@ def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int
     for start, length, padding in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
         if padding:
             continue
-        step = chunk or length
-        spans.extend((offset, min(step, start + length - offset)) for offset in range(start, start + length, step))
+        if not chunk:
+            spans.append((start, length))
+        else:
+            spans.extend((offset, min(chunk, start + length - offset)) for offset in range(start, start + length, chunk))
     return spans
 
 
@@ -218,8 +235,7 @@ def _biased_segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------- cross-attention
-@dataclass(frozen=True)
-class _CrossGroup:
+class _CrossGroup(NamedTuple):
     """``count`` decoder samples of one length reading encoder samples of one length: their flat decoder tokens
     ``queries [count, Lq]`` and encoder tokens ``keys [count, Lk]``."""
 

@@ -17,10 +17,14 @@ forward and backward. :class:`Quarantine` removes such samples from the mixing i
   diverged sample's loss) never enters the op's backward.
 
 Other samples get exactly what they get without the poisoned one, forward and backward. A row without
-non-finite values pays one reduction and one ``where`` per input and one ``where`` per output.
+non-finite values pays one reduction and one ``where`` per input and one ``where`` per output; on the CPU, where
+reading a value back costs no device sync, it pays one reduction per input and one read, and the inputs and
+outputs pass through unchanged.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -52,6 +56,17 @@ def _token_sums(t: Tensor, time_dim: int) -> Tensor:
     return t.sum(dim=dims, dtype=acc) if dims else t.to(acc)
 
 
+def _all_finite_on_host(tensors: list[Tensor | None]) -> bool:
+    """Whether every value of ``tensors`` is finite, read on the host where that costs no device sync (CPU tensors,
+    outside a compiled graph); False where it is not read. One sum per tensor: finite exactly when every value is
+    (finite values whose sum overflows read as non-finite here, and take the per-sample path)."""
+    present = [t for t in tensors if t is not None]
+    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in present):
+        return False
+    with torch.no_grad():
+        return all(math.isfinite(t.sum(dtype=torch.float64)) for t in present)
+
+
 class Quarantine:
     """Which tokens belong to a sample with a non-finite input (module docstring).
 
@@ -73,6 +88,11 @@ class Quarantine:
 
     def _find(self, seq_idx: Tensor, per_token: list[tuple[Tensor | None, int]], initial_state: Tensor | None
               ) -> None:
+        self.keep: Tensor | None = None
+        """``[B, T]`` bool, True where a token's sample is finite; None: every sample is."""
+        self.state_finite: Tensor | None = None
+        if _all_finite_on_host([t for t, _ in per_token] + [initial_state]):
+            return
         B, T = seq_idx.shape
         total = None
         for t, time_dim in per_token:
@@ -83,8 +103,6 @@ class Quarantine:
             state_sums = _token_sums(initial_state.reshape(initial_state.shape[0], -1, 1), 2).squeeze(1)
             self.state_finite = torch.isfinite(state_sums)
             total = total + state_sums[seq_idx.long()]
-        else:
-            self.state_finite = None
         heads = _sample_heads(seq_idx)
         self.sample_sums = total.new_zeros(B * T).index_add_(0, heads, total.reshape(-1))  # at each first token
         self.keep = torch.isfinite(self.sample_sums[heads]).view(B, T)  # [B, T]: token's sample is finite
@@ -97,6 +115,8 @@ class Quarantine:
 
     def clean(self) -> list[Tensor | None]:
         """The ``per_token`` tensors, in order, with every token of a poisoned sample set to 0 (None stays None)."""
+        if self.keep is None:
+            return [t for t, _ in self.per_token]
         return [None if t is None else torch.where(self.keep.view(self._shape(t, d)), t, 0.0)
                 for t, d in self.per_token]
 
@@ -108,14 +128,16 @@ class Quarantine:
 
     def mark(self, y: Tensor, time_dim: int = 1) -> Tensor:
         """``y [B, ..., T, ...]`` with every token of a poisoned sample set to NaN."""
+        if self.keep is None:
+            return y
         return torch.where(self.keep.view(self._shape(y, time_dim)), y, float("nan"))
 
     def mark_states(self, final: Tensor | None, offsets: Tensor) -> Tensor | None:
         """``final [N, ...]`` per-sample final states with the poisoned samples' set to NaN. ``offsets [N+1]``:
         sample ``i`` is tokens ``offsets[i]:offsets[i+1]`` of the ``B * T`` flattened tokens (``cu_seqlens`` of
         a row, or ``T * arange(B + 1)`` for one sample per row)."""
-        if final is None:
-            return None
+        if final is None or self.keep is None:
+            return final
         total = self.sample_sums.numel()
         start, end = offsets[:-1].long(), offsets[1:].long()
         finite = torch.isfinite(self.sample_sums[start.clamp(max=max(total - 1, 0))]) | (end == start) if total else (

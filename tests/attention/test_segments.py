@@ -163,3 +163,31 @@ def test_every_option_is_applied_alone(feature: dict) -> None:
         expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], sinks=sinks, **settings)
         assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {begin}")
         begin += length
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("lengths", [[4, 4, 4], [12]], ids=["equal-samples", "one-per-row"])
+def test_samples_of_one_length_run_as_views_of_transformers_layout(rows: int, lengths: list[int]) -> None:
+    """Rows of equal-length samples (and one sample per row) attend as one view of q/k/v in transformers' layout
+    (``[B, T, H, D]`` tensors transposed to ``[B, H, T, D]``); outputs and gradients equal each sample alone."""
+    generator = torch.Generator().manual_seed(1)
+    seq_len = sum(lengths)
+
+    bases = [torch.randn(rows, seq_len, heads, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+             for heads in (4, 2, 2)]  # [B, T, H, D] q, k, v
+    q, k, v = (t.transpose(1, 2) for t in bases)
+    boundaries = Boundaries.from_position_ids(torch.cat([torch.arange(n) for n in lengths]).expand(rows, -1))
+    options = AttentionOptions(scale=0.4, causal=True)
+    out = segments.segment_attention(q, k, v, boundaries, options)
+    weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), bases)
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        row, begin = divmod(start, seq_len)
+        piece = slice(begin, begin + length)
+        alone = [t[row : row + 1, piece].detach().requires_grad_() for t in bases]
+        expected = naive_attention(*(t[0].transpose(0, 1) for t in alone), scale=0.4, causal=True, window=None,
+                                   softcap=None, sinks=None)
+        assert_close(out[row, piece].transpose(0, 1), expected, what=f"segment at {start}")
+        expected_grads = torch.autograd.grad((expected.transpose(0, 1) * weights[row, piece]).sum(), alone)
+        for name, got, want in zip("qkv", grads, expected_grads):
+            assert_close(got[row, piece], want[0], what=f"grad {name}, segment at {start}")

@@ -294,3 +294,41 @@ def test_rows_without_cu_seqlens_are_isolated():
     for g, r in zip(got, want):  # the reference runs row 1 too, so its own gradient there is NaN
         torch.testing.assert_close(g[[0, 2]], r[[0, 2]], rtol=1e-9, atol=1e-10)
         assert torch.equal(g[1], torch.zeros_like(g[1])), "the poisoned row's outputs are constants"
+
+
+@pytest.mark.parametrize("op", [op for op in OPS if op.whole_sample_nan], ids=lambda op: op.name)
+def test_finite_rows_skip_the_masks_only_where_values_are_read_for_free(monkeypatch, op: Op):
+    """A finite CPU row is read on the host and passes the quarantine unchanged; a device row (no host read, no
+    sync) goes through the per-sample masks. Both give the same outputs, final states and gradients, bit for bit."""
+    from packfree_plugin.ops import _nonfinite
+
+    gen = torch.Generator().manual_seed(zlib.crc32(op.name.encode()))
+    offsets = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    inputs = op.make(gen, sum(LENGTHS))
+    seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS)).to(torch.int32)[None]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    leaves = [inputs[n] for n in op.per_token]
+    masks_built = []
+    real_find = _nonfinite.Quarantine._find
+
+    def counting_find(self, *args):
+        real_find(self, *args)
+        masks_built.append(self.keep is not None)
+
+    monkeypatch.setattr(_nonfinite.Quarantine, "_find", counting_find)
+    results = []
+    for read_on_host in (True, False):
+        if not read_on_host:  # as on CUDA
+            monkeypatch.setattr(_nonfinite, "_all_finite_on_host", lambda tensors: False)
+        masks_built.clear()
+        out, final = op.packed(inputs, seq_idx, cu)
+        assert masks_built == [not read_on_host], masks_built
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)).sum()
+        if final is not None:
+            loss = loss + final.sum()
+        results.append((out, final, torch.autograd.grad(loss, leaves, materialize_grads=True)))
+    (out, final, grads), (device_out, device_final, device_grads) = results
+    assert torch.equal(out, device_out)
+    assert final is None or torch.equal(final, device_final)
+    for name, g, d in zip(op.per_token, grads, device_grads):
+        assert torch.equal(g, d), f"grad {name}"

@@ -21,12 +21,12 @@ tile done before the next. The number of tiles depends on ``T * C``, never on th
 
 from __future__ import annotations
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._seq import first_token_mask
 
 _TILE_BYTES = 1 << 19
 _SPREAD_UP_TO_BYTES = 1 << 19
@@ -118,14 +118,15 @@ def _boundary(seq_idx: Tensor | None, T: int, K: int, tile: int) -> _Boundary:
     return cache[key]
 
 
-def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int, t1: int,
+def _pre(x: Tensor, taps: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int, t1: int,
          out: Tensor) -> Tensor:
-    """Pre-activation of tokens ``[t0, t1)`` into ``out``."""
-    K = weight.shape[1]
+    """Pre-activation of tokens ``[t0, t1)`` into ``out``. ``taps [K, C]``: the weight transposed, contiguous (a
+    strided ``weight[:, k]`` column halves the speed of every multiply-add it feeds)."""
+    K = taps.shape[0]
     if bias is not None:
-        torch.addcmul(bias, x[:, t0:t1], weight[:, K - 1], out=out)
+        torch.addcmul(bias, x[:, t0:t1], taps[K - 1], out=out)
     else:
-        torch.mul(x[:, t0:t1], weight[:, K - 1], out=out)
+        torch.mul(x[:, t0:t1], taps[K - 1], out=out)
     for s in range(1, K):
         lo = max(t0, s)  # first token with a source s steps back
         if lo >= t1:
@@ -133,29 +134,44 @@ def _pre(x: Tensor, weight: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int
         src = x[:, lo - s : t1 - s]
         if bnd.masks[s] is not None:
             src = _keep(src, bnd.masks[s][:, lo - s : t1 - s])
-        out[:, lo - t0 :].addcmul_(src, weight[:, K - 1 - s])
+        out[:, lo - t0 :].addcmul_(src, taps[K - 1 - s])
     return out
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool
+             ) -> tuple[Tensor, Tensor, _Boundary, int]:
+    """``(out, pre-activation, boundary rows, tile)`` of ``x [B, T, C]``, tile by tile."""
+    T, K = x.shape[1], weight.shape[1]
+    tile = _tile_len(x, K)
+    bnd = _boundary(seq_idx, T, K, tile)
+    taps = weight.T.contiguous()
+    pre = torch.empty_like(x)
+    out = torch.empty_like(x) if silu else pre
+    for t0 in range(0, T, tile):
+        t1 = min(t0 + tile, T)
+        p = _pre(x, taps, bias, bnd, t0, t1, out=pre[:, t0:t1])
+        if silu:
+            torch.ops.aten.silu.out(p, out=out[:, t0:t1])
+    if bnd.sparse and bnd.t.numel():  # overwrite the boundary rows with their in-sample value
+        fixed = bnd.recompute(x, weight, bias)
+        pre.view(-1, x.shape[2]).index_copy_(0, bnd.flat, fixed)
+        if silu:
+            out.view(-1, x.shape[2]).index_copy_(0, bnd.flat, F.silu(fixed))
+    return out, pre, bnd, tile
+
+
+def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, silu: bool) -> Tensor:
+    """:class:`_MaskedCausalConv1d` where autograd records, else its forward alone (no graph node to build)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _MaskedCausalConv1d.apply(x, weight, bias, seq_idx, silu)
+    return _forward(x, weight, bias, seq_idx, silu)[0]
 
 
 class _MaskedCausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None,
                 silu: bool) -> Tensor:
-        T, K = x.shape[1], weight.shape[1]
-        tile = _tile_len(x, K)
-        bnd = _boundary(seq_idx, T, K, tile)
-        pre = torch.empty_like(x)
-        out = torch.empty_like(x) if silu else pre
-        for t0 in range(0, T, tile):
-            t1 = min(t0 + tile, T)
-            p = _pre(x, weight, bias, bnd, t0, t1, out=pre[:, t0:t1])
-            if silu:
-                torch.ops.aten.silu.out(p, out=out[:, t0:t1])
-        if bnd.sparse and bnd.t.numel():  # overwrite the boundary rows with their in-sample value
-            fixed = bnd.recompute(x, weight, bias)
-            pre.view(-1, x.shape[2]).index_copy_(0, bnd.flat, fixed)
-            if silu:
-                out.view(-1, x.shape[2]).index_copy_(0, bnd.flat, F.silu(fixed))
+        out, pre, bnd, tile = _forward(x, weight, bias, seq_idx, silu)
         ctx.silu, ctx.has_bias, ctx.tile, ctx.bnd = silu, bias is not None, tile, bnd
         ctx.save_for_backward(x, weight, pre if silu else None)
         return out
@@ -166,6 +182,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
         x, weight, pre = ctx.saved_tensors
         bnd: _Boundary = ctx.bnd
         T, K = x.shape[1], weight.shape[1]
+        taps = weight.T.contiguous()  # [K, C]: taps[k] is weight[:, k], contiguous (see _pre)
         tile = ctx.tile
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(x) if need_x else None
@@ -186,7 +203,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
             xt = x[:, t0:t1]
             # tap 0 never crosses a boundary
             if need_x:
-                torch.mul(g[:, :n], weight[:, K - 1], out=grad_x[:, t0:t1])
+                torch.mul(g[:, :n], taps[K - 1], out=grad_x[:, t0:t1])
             if need_w:
                 acc_w[K - 1, :, :n].addcmul_(g[:, :n], xt)
             if acc_b is not None:
@@ -203,7 +220,7 @@ class _MaskedCausalConv1d(torch.autograd.Function):
                 if bnd.masks[s] is not None:
                     gs = _keep(gs, bnd.masks[s][:, t0 : t0 + m])
                 if need_x:
-                    grad_x[:, t0 : t0 + m].addcmul_(gs, weight[:, K - 1 - s])
+                    grad_x[:, t0 : t0 + m].addcmul_(gs, taps[K - 1 - s])
                 if need_w:
                     acc_w[K - 1 - s, :, :m].addcmul_(gs, xt[:, :m])
         grad_wt = acc_w.sum((1, 2)) if need_w else None
@@ -245,22 +262,25 @@ def causal_conv1d_masked(
         # sample its own K - 1 zero tokens and run the unsplit conv on the spread-out row
         B, T, C = x.shape
         slots, length = _spread(seq_idx, K)
-        spread = x.new_zeros(1, length, C).index_copy(1, slots, x.reshape(1, B * T, C))
-        out = _MaskedCausalConv1d.apply(spread, weight, bias, None, silu)
-        return out.index_select(1, slots).view(B, T, C)
-    return _MaskedCausalConv1d.apply(x.contiguous(), weight, bias, seq_idx, silu)
+        spread = x.new_zeros(1, length, C).index_copy_(1, slots, x.reshape(1, B * T, C))
+        return _conv(spread, weight, bias, None, silu).index_select(1, slots).view(B, T, C)
+    return _conv(x.contiguous(), weight, bias, seq_idx, silu)
 
 
 def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
     """``(slots [B * T] long, length)``: token ``j`` of the flattened rows at ``slots[j]`` of a ``length``-token
     row where K - 1 zero tokens precede every sample. Kept on ``seq_idx`` (every layer of a forward passes the
-    same tensor); reading ``length`` is no device sync (CPU only)."""
+    same tensor); CPU only, so it is computed on the host, in numpy (a quarter of torch's per-call cost)."""
     key = (K, tuple(seq_idx.shape), seq_idx._version)
     cached = seq_idx.__dict__.get("_packfree_conv_spread")
     if cached is None or cached[0] != key:
-        starts = first_token_mask(seq_idx).reshape(-1).long()  # rows start samples too
-        count = starts.cumsum(0)
-        slots = torch.arange(starts.numel()) + (K - 1) * count
-        cached = (key, (slots, starts.numel() + (K - 1) * int(count[-1])))
+        ids = seq_idx.numpy()
+        starts = numpy.empty(ids.shape, dtype=bool)
+        starts[:, :1] = True  # rows start samples too
+        numpy.not_equal(ids[:, 1:], ids[:, :-1], out=starts[:, 1:])
+        count = starts.ravel().cumsum()  # [B * T] int64: samples started so far
+        slots = numpy.arange(count.size)
+        slots += (K - 1) * count
+        cached = (key, (torch.from_numpy(slots), count.size + (K - 1) * int(count[-1])))
         seq_idx.__dict__["_packfree_conv_spread"] = cached
     return cached[1]

@@ -10,7 +10,7 @@ from .._dispatch import Backend, pick_kernel
 from .._seq import resolve_seq_idx
 from .fast import causal_conv1d_masked
 
-_KERNEL = ("causal_conv1d", "causal_conv1d_fn")
+KERNEL = ("causal_conv1d", "causal_conv1d_fn")
 _ACTIVATIONS = (None, "silu", "swish")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -74,7 +74,7 @@ def causal_conv1d(
     B, T, _ = x.shape
     seq_idx = resolve_seq_idx(B, T, x.device, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                               validate=validate)
-    kernel = pick_kernel(backend, x, *_KERNEL)
+    kernel = pick_kernel(backend, x, *KERNEL)
     if kernel is not None and (backend == "kernel" or _kernel_fits(x, weight)):
         x_cl = x.contiguous().transpose(1, 2)  # [B, C, T] view, stride(1) == 1
         out = kernel(

@@ -12,7 +12,7 @@ from .._dispatch import Backend, pick_kernel
 from .._seq import resolve_seq_idx
 from .fast import ssd_chunked
 
-_KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -102,7 +102,7 @@ def ssd_chunk_scan(
     Bsz, T = x.shape[:2]
     seq_idx = resolve_seq_idx(Bsz, T, x.device, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                               validate=validate)
-    kernel = pick_kernel(backend, x, *_KERNEL)
+    kernel = pick_kernel(backend, x, *KERNEL)
     if kernel is not None and (backend == "kernel" or x.dtype in _KERNEL_DTYPES):
         return kernel(
             x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
