@@ -23,9 +23,13 @@ Boundaries (no initial states): each row is cut into chunks of ``C`` tokens what
 samples share chunks and the work is that of the unsplit row. ``G`` restarts at every sample start (a masked
 in-chunk sum, so both terms of ``G_r - G_s`` start at the same token, as when the sample runs alone), every
 exponent between tokens of different samples is ``-inf`` (``A``, ``P``, ``k`` to the chunk end), and the carried
-state reaches only tokens that continue the sample running before the chunk. Rows are reshaped, never
-gathered: no host sync and no copy beyond the one layout change stock makes too. With per-sample initial
-states, chunks start on sample starts instead (see ``ops/_varlen.py``).
+state reaches only tokens that continue the sample running before the chunk. Rows are stacked and reshaped,
+never gathered: no host sync, and two copies of the inputs (all five stacked in one tensor, then one chunk
+layout), as stock's transpose and pad. With per-sample initial states, chunks start on sample starts instead
+(see ``ops/_varlen.py``).
+
+At small widths the cost is the number of ops, not their work: inputs travel as one tensor, the state
+recurrence runs fused 3-d products per step, and the right-hand sides of the triangular solve are solved in one.
 """
 
 from __future__ import annotations
@@ -317,7 +321,7 @@ class _ToChunks(torch.autograd.Function):
         ctx.layout = (B, T, chunk, x.dtype)
         out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
         dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
-        dst[:, :full].copy_(x[:, : full * chunk].view(B, full, chunk, H, D))
+        dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
         if rem:
             dst[:, full, :rem].copy_(x[:, full * chunk :])
             dst[:, full, rem:].zero_()
@@ -430,11 +434,14 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
 
 
 def _restarted_cumsum(same: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """In-chunk cumulative sum of ``g [M, H, C(, K)]`` restarted at every sample start, contiguous: ``same
-    [M, C, C]`` (causal, same sample) times every head's (and channel's) column, one batched product."""
-    M, H, C = g.shape[:3]
-    cols = g.transpose(1, 2).reshape(M, C, -1)
-    return (same @ cols).view(M, C, H, -1).transpose(1, 2).reshape(g.shape).contiguous()
+    """In-chunk cumulative sum of ``g [M, H, C(, K)]`` restarted at every sample start: ``same [M, C, C]``
+    (causal, same sample) applied in one batched product, to every head's row of a scalar decay as it lies
+    (no relayout), to every (head, channel) column of a per-channel one."""
+    if g.dim() == 3:
+        return torch.bmm(g, same.transpose(1, 2))
+    M, H, C, K = g.shape
+    cols = g.transpose(1, 2).reshape(M, C, H * K)
+    return (same @ cols).view(M, C, H, K).transpose(1, 2).contiguous()
 
 
 def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple[int, int], dtype: torch.dtype,
