@@ -23,14 +23,19 @@ Boundaries (no initial states): each row is cut into chunks of ``C`` tokens what
 samples share chunks and the work is that of the unsplit row. ``G`` restarts at every sample start (a masked
 in-chunk sum, so both terms of ``G_r - G_s`` start at the same token, as when the sample runs alone), every
 exponent between tokens of different samples is ``-inf`` (``A``, ``P``, ``k`` to the chunk end), and the carried
-state reaches only tokens that continue the sample running before the chunk. Rows are reshaped, never
-gathered: no host sync and no copy beyond the one layout change stock makes too. With per-sample initial
-states, chunks start on sample starts instead (see ``ops/_varlen.py``).
+state reaches only tokens that continue the sample running before the chunk. Rows are stacked and reshaped,
+never gathered: no host sync, and two copies of the inputs (all five stacked in one tensor, then one chunk
+layout), as stock's transpose and pad. With per-sample initial states, chunks start on sample starts instead
+(see ``ops/_varlen.py``).
+
+At small widths the cost is the number of ops, not their work: inputs travel as one tensor, the state
+recurrence runs fused 3-d products per step, and the right-hand sides of the triangular solve are solved in one.
 """
 
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -102,14 +107,14 @@ def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
 
 
 def _scalar_gram(q, k, gc, beta, cut):
-    """Scalar decay: ``A`` (strictly lower, beta-scaled) and ``P`` (lower incl. diagonal), ``[M, H, C, C]``.
-    ``cut [M, 1, C, C]``: pairs without a decay, above the diagonal or of two samples (None: the whole chunk is
-    one sample)."""
+    """Scalar decay: ``A`` (beta-scaled, strictly lower part used) and ``P`` (lower incl. diagonal),
+    ``[M, H, C, C]``. ``cut [M, 1, C, C]``: pairs without a decay, above the diagonal or of two samples (None: the
+    whole chunk is one sample). ``A``'s diagonal is left in: the unit-triangular solve never reads it."""
     if cut is None:
         cut = _above_diagonal(gc.shape[-1], gc.device)
     decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(cut, _NEG_INF))
     P = (q @ k.transpose(-1, -2)) * decay
-    A = (k @ k.transpose(-1, -2)) * decay.tril(-1) * beta[..., :, None]
+    A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])
     return A, P
 
 
@@ -156,14 +161,14 @@ def _per_channel_gram(q, k, gc, beta, seq):
 
 
 class _UnitLowerInverse(torch.autograd.Function):
-    """``(I + A)^-1`` for strictly lower-triangular ``A [..., C, C]``: one batched triangular solve forward; the
-    backward is two matmuls, ``dA = -tril_{-1}(X^T dX X^T)`` (``X`` the inverse), where autograd's solve backward
-    would solve again (measured 3x slower at C = 64)."""
+    """``(I + tril_{-1}(A))^-1`` for ``A [..., C, C]`` (its diagonal and upper triangle are never read): one batched
+    unit-triangular solve forward; the backward is two matmuls, ``dA = -tril_{-1}(X^T dX X^T)`` (``X`` the
+    inverse), where autograd's solve backward would solve again (measured 3x slower at C = 64)."""
 
     @staticmethod
     def forward(ctx, A: torch.Tensor) -> torch.Tensor:
         eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-        X = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+        X = torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True)
         ctx.save_for_backward(X)
         return X
 
@@ -176,14 +181,15 @@ class _UnitLowerInverse(torch.autograd.Function):
 
 
 def _intra_chunk(q, k, v, gc, beta, seq, cut, fresh, not_last, *, per_channel: bool):
-    """Everything that is independent per chunk: ``(P, U, W, qg, decay_last, k_end)``.
+    """Everything that is independent per chunk: ``(P, U, W, qg, decay_last, k_end_t)``, ``k_end_t [M, H, K, C]``
+    (transposed: the state update's left operand).
 
     Boundaries (all None: every chunk is one sample that continues): ``seq [M, C]`` the sample of every token,
-    ``cut [M, 1, C, C]`` the pairs without a decay (:func:`_scalar_gram`), ``fresh [M, C]`` tokens that do not
-    continue the sample running before the chunk, ``not_last [M, C]`` tokens of another sample than the chunk's
-    last token's.
+    ``cut [M, 1, C, C]`` the pairs without a decay (:func:`_scalar_gram`), ``fresh [M, 1, C]`` tokens that do not
+    continue the sample running before the chunk, ``not_last [M, 1, C]`` tokens of another sample than the
+    chunk's last token's.
     """
-    expand = (lambda m: m[:, None, :, None]) if per_channel else (lambda m: m[:, None, :])
+    expand = (lambda m: m[..., None]) if per_channel else (lambda m: m)
     gain_exp = gc if fresh is None else gc.masked_fill(expand(fresh), _NEG_INF)
     last = gc[..., -1:, :] if per_channel else gc[..., -1:]
     to_end = last - gc
@@ -199,13 +205,27 @@ def _intra_chunk(q, k, v, gc, beta, seq, cut, fresh, not_last, *, per_channel: b
         gain = torch.exp(gain_exp)[..., None]  # [M, H, C, 1]
         k_end = k * torch.exp(to_end)[..., None]
         decay_last = gain[..., -1:, :]  # [M, H, 1, 1]
-    qg = q * gain
-    kg = k * gain
-    # T = (I + A)^-1 once (C right-hand sides), then plain matmuls: on CPU a batched triangular solve against
-    # the [C, K + V] right-hand side is ~10x slower than solving against I and multiplying.
-    T_inv = _UnitLowerInverse.apply(A)
-    T_inv = T_inv * beta[..., None, :]  # fold beta into the right-hand sides' rows
-    return P, T_inv @ v, T_inv @ kg, qg, decay_last, k_end
+    U, W = _unit_lower_solve(A, beta, v, k, gain)
+    return P, U, W, q * gain, decay_last, k_end.transpose(-1, -2)
+
+
+def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: torch.Tensor, gain: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U = T beta v`` and ``W = T beta (k * gain)`` with ``T = (I + tril_{-1}(A))^-1``: ``A [M, H, C, C]``,
+    ``beta [M, H, C]``, ``v [M, H, C, V]``, ``k [M, H, C, K]``, ``gain [M, H, C, 1 or K]``.
+
+    A batched triangular solve on CPU costs in proportion to its right-hand-side columns (~2 us per column of a
+    64 x 64 system), a matmul far less. Against ``K + V <= C`` columns one solve, forward and backward, is
+    cheapest (small widths: 1.6x faster at ``C = 64, K + V = 32``); against more, solving once against ``I``
+    and multiplying (1.7x faster at ``K + V = 256``), with beta on ``T``'s columns so that autograd keeps no
+    scaled copy of ``v``."""
+    V = v.shape[-1]
+    if V + k.shape[-1] <= A.shape[-1]:
+        b = beta[..., None]
+        rhs = torch.cat([v * b, k * (gain * b)], dim=-1)
+        return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, k.shape[-1]], -1)
+    T_beta = _UnitLowerInverse.apply(A) * beta[..., None, :]
+    return T_beta @ v, T_beta @ (k * gain)
 
 
 KDA_CHUNKS_PER_BLOCK = 16
@@ -233,9 +253,9 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
     P, U, W, qg, decay_last, k_end = _intra_blocks(q, k, v, gc, beta, (None,) * 4, per_channel=per_channel)
     Vd = v.shape[-1]
 
-    def step(S, u, w, dl, ke):
+    def step(S, u, w, dl, ke_t):
         v_new = u - w @ S
-        S_next = S * dl + ke.transpose(-1, -2) @ v_new
+        S_next = S * dl + ke_t @ v_new
         return S_next, (S, v_new)
 
     extras, final = run_chunk_steps(layout, h0, step, U, W, decay_last, k_end)
@@ -247,49 +267,121 @@ def _delta_rule_chunks(q, k, v, gc, beta, h0, layout: ChunkLayout, *, per_channe
     return o, final
 
 
-def _to_chunks(x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
-    """``[B, T, H, *]`` -> ``[B * nc, H, C, *]`` in ``cdt``, zero after the last token: one copy, cast included."""
-    B, T, H = x.shape[:3]
-    full, rem = divmod(T, chunk)
-    nc = full + (rem > 0)
-    out = x.new_empty((B, nc, H, chunk, *x.shape[3:]), dtype=cdt)
-    dst = out.transpose(2, 3)  # [B, nc, C, H, *] view
-    dst[:, :full].copy_(x[:, : full * chunk].view(B, full, chunk, *x.shape[2:]))
-    if rem:
-        dst[:, full, :rem].copy_(x[:, full * chunk :])
-        dst[:, full, rem:].zero_()
-    return out.flatten(0, 1)
+def _stack_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                  per_channel: bool) -> torch.Tensor:
+    """``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H(, K)]``, ``beta [B, T, H]`` -> one
+    ``[B, T, H, 2K + V + (K or 1) + 1]`` tensor in their promoted dtype: the non-finite quarantine and the chunk
+    layout are then one op each, not one per input (at small widths the op count is the cost)."""
+    return torch.cat([q, k, v, g if per_channel else g[..., None], beta[..., None]], dim=-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_scales(scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[2, 1]``: ``scale`` for the q row, 1 for the k row of a joint ``[..., 2, K]`` normalisation."""
+    return torch.tensor([[scale], [1.0]], dtype=dtype, device=device)
+
+
+def _unstack_chunks(x: torch.Tensor, K: int, V: int, *, scale: float, use_qk_l2norm_in_kernel: bool,
+                    per_channel: bool) -> tuple[torch.Tensor, ...]:
+    """``x [M, H, C, D]`` (:func:`_stack_inputs`' layout, chunked) -> ``q`` (L2-normalised if asked, times
+    ``scale``), ``k [M, H, C, K]``, ``v [M, H, C, V]``, ``g [M, H, C(, K)]``, ``beta [M, H, C]``; views of ``x``
+    where no op is needed. The L2 norm (``x / sqrt(sum(x^2) + 1e-6)``, fla's) finds q's and k's factors in one
+    reduction, then scales each apart: contiguous q and k (KDA's strided reads of a joint product cost 4%)."""
+    # one split, whatever is used: its backward writes the gradient of x in one op, where views read apart would
+    # each zero-fill a gradient of x's size to be added up
+    Kg = K if per_channel else 1
+    if use_qk_l2norm_in_kernel:
+        qk, v, g, beta = x.split([2 * K, V, Kg, 1], dim=-1)
+        qk = qk.unflatten(-1, (2, K))
+        factor = torch.rsqrt((qk * qk).sum(dim=-1, keepdim=True) + 1e-6) * _row_scales(scale, x.dtype, x.device)
+        q, k = (t * f for t, f in zip(qk.unbind(-2), factor.unbind(-2)))
+    else:
+        q, k, v, g, beta = x.split([K, K, V, Kg, 1], dim=-1)
+        q = q * scale
+    return q, k, v, g if per_channel else g.squeeze(-1), beta.squeeze(-1)
+
+
+def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, contiguous, in one copy (``to`` alone keeps a permuted layout when no cast is due)."""
+    return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
+
+
+class _ToChunks(torch.autograd.Function):
+    """``[B, T, H, D]`` -> ``[nc * B, H, C, D]`` in ``cdt``, chunk-major (chunk ``c`` of row ``b`` at ``c * B + b``:
+    one step of the state recurrence is one contiguous slice), zero after the last token: one copy, cast and
+    padding included. The backward is one copy too, and returns the gradient contiguous in ``x``'s layout and
+    dtype (autograd's own would hand the caller a permuted view, and the caller's reductions over it would sum
+    in another order than over a compiled step's contiguous gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
+        B, T, H, D = x.shape
+        full, rem = divmod(T, chunk)
+        nc = full + (rem > 0)
+        ctx.layout = (B, T, chunk, x.dtype)
+        out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
+        dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
+        dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
+        if rem:
+            dst[:, full, :rem].copy_(x[:, full * chunk :])
+            dst[:, full, rem:].zero_()
+        return out.view(nc * B, H, chunk, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        B, T, chunk, dtype = ctx.layout
+        full, rem = divmod(T, chunk)
+        M, H, C, D = grad.shape
+        src = grad.view(M // B, B, H, C, D).permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D]
+        out = grad.new_empty((B, T, H, D), dtype=dtype)
+        out[:, : full * chunk].view(B, full, chunk, H, D).copy_(src[:, :full])
+        if rem:
+            out[:, full * chunk :].copy_(src[:, full, :rem])
+        return out, None, None
 
 
 def _from_chunks(o: torch.Tensor, B: int, T: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B * nc, H, C, V]`` -> ``[B, T, H, V]`` in ``dtype``: one copy, cast included."""
+    """``[nc * B, H, C, V]`` chunk-major -> ``[B, T, H, V]`` in ``dtype``: one copy, cast included."""
     M, H, C, V = o.shape
-    out = o.new_empty((B, M // B, C, H, V), dtype=dtype)
-    out.copy_(o.view(B, M // B, H, C, V).transpose(2, 3))
+    out = _contiguous_as(o.view(M // B, B, H, C, V).permute(1, 0, 3, 2, 4), dtype)
     return out.view(B, M // B * C, H, V)[:, :T]
 
 
-def _row_states(S: torch.Tensor, qg: torch.Tensor, P: torch.Tensor, U: torch.Tensor, W: torch.Tensor,
-                decay_last: torch.Tensor, k_end: torch.Tensor, B: int, *, keep: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Chunk-to-chunk state recurrence of every row and the output of every chunk: ``qg, U, W, k_end``
-    ``[B*nc, H, C, *]``, ``P [B*nc, H, C, C]``, ``decay_last [B*nc, H, K or 1, 1]``, ``S [B, H, K, V]`` zeros.
-    Returns ``o [B*nc, H, C, V]``, every row's end state ``[B, H, K, V]`` and, if ``keep``, the state entering
-    every chunk ``[B*nc, H, K, V]`` and ``v_new [B*nc, H, C, V]`` (else None). Each chunk's output is taken in
-    the loop from the state backward keeps anyway: no stacked copy of the states is saved."""
-    entering, news, outs = [], [], []
-    # unbind, not indexing: the backward stacks once instead of scattering into nc zero tensors
-    for q_c, p_c, u, w, dl, ke in zip(*(t.unflatten(0, (B, -1)).unbind(1) for t in (qg, P, U, W, decay_last, k_end))):
-        v = u - w @ S
-        outs.append(q_c @ S + p_c @ v)
+def _row_states(qg: torch.Tensor, P: torch.Tensor, U: torch.Tensor, W: torch.Tensor, decay_last: torch.Tensor,
+                k_end_t: torch.Tensor, B: int, *, end_state: bool, keep: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Chunk-to-chunk state recurrence of every row and the output of every chunk, chunk-major: ``qg, U, W``
+    ``[M, H, C, *]``, ``P [M, H, C, C]``, ``decay_last [M, H, K or 1, 1]``, ``k_end_t [M, H, K, C]``.
+
+    Returns ``o [M, H, C, V]``, every row's end state ``[B, H, K, V]`` if ``end_state`` (else None) and, if
+    ``keep``, the state entering every chunk ``[M, H, K, V]`` and ``v_new [M, H, C, V]`` (else None). A step is
+    the ``B`` chunks at one position, as 3-d products over ``B * H`` (fused multiply-adds); a row's first chunk
+    enters with a zero state, so it reads none. Each chunk's output is taken in the loop from the state backward
+    keeps anyway: no stacked copy of the states is saved."""
+    M, H, C, V = U.shape
+    K = W.shape[-1]
+    nc = M // B
+    steps = zip(*(t.reshape(nc, B * H, *t.shape[2:]).unbind(0) for t in (qg, P, U, W, decay_last, k_end_t)))
+    S = None
+    outs, entering, news = [], [], []
+    for c, (q_c, p_c, u, w, dl, ke_t) in enumerate(steps):
+        if S is None:  # a row's first chunk: zero state (a copy: a view would keep all of U alive for backward)
+            v = u.clone()
+            outs.append(torch.bmm(p_c, v))
+        else:
+            v = torch.baddbmm(u, w, S, alpha=-1.0)
+            outs.append(torch.baddbmm(torch.bmm(q_c, S), p_c, v))
         if keep:
-            entering.append(S)
+            entering.append(u.new_zeros(B * H, K, V) if S is None else S)
             news.append(v)
-        S = S * dl + ke.transpose(-1, -2) @ v
-    o = torch.stack(outs, 1).flatten(0, 1)
+        if c + 1 < nc or end_state:
+            S = torch.bmm(ke_t, v) if S is None else torch.baddbmm(S * dl, ke_t, v)
+    o = torch.stack(outs).view(M, H, C, V)
+    end = S.view(B, H, K, V) if end_state else None
     if not keep:
-        return o, S, None
-    return o, S, (torch.stack(entering, 1).flatten(0, 1), torch.stack(news, 1).flatten(0, 1))
+        return o, end, None
+    return o, end, (torch.stack(entering).view(M, H, K, V), torch.stack(news).view(M, H, C, V))
 
 
 def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.Tensor, gc: torch.Tensor,
@@ -318,53 +410,57 @@ def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.
 
 def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype
                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-    """``((seq, cut, fresh, not_last), cont [M, C], same [M, 1, C, C])`` for rows cut into chunks of ``C``: the
-    boundary masks of :func:`_intra_chunk` (padding slots join the row's last sample), whether a token continues
-    the sample running before its chunk, and the in-chunk causal same-sample matrix in ``cdt``. Kept on
-    ``cu_seqlens`` (every layer of a forward passes the same tensor), so they are built once per forward, not
-    once per layer or call."""
+    """``((seq, cut, fresh, not_last), cont [M, C], same [M, C, C])`` for rows cut into chunks of ``C``,
+    chunk-major as :class:`_ToChunks`: the boundary masks of :func:`_intra_chunk` (padding slots join the row's
+    last sample), whether a token continues the sample running before its chunk, and the in-chunk causal
+    same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
+    they are built once per forward, not once per layer or call."""
     key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
     cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
     if key not in cache:
         B, T = seq_idx.shape
         pad = -T % C
         seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
-        seq = seq.reshape(-1, C)
-        before = torch.cat([torch.full_like(seq[:1, :1], -1), seq[:-1, -1:]]).view(B, -1)
-        before[:, 0] = -1  # sample of the token before each chunk: none for a row's first chunk
-        cont = seq == before.reshape(-1, 1)
+        seq = seq.reshape(B, -1, C).transpose(0, 1).reshape(-1, C)
+        # sample of the token before each chunk: the previous chunk's last, none for a row's first chunk
+        before = torch.cat([torch.full_like(seq[:B, :1], -1), seq[:-B, -1:]])
+        cont = seq == before
         causal = torch.ones(C, C, dtype=torch.bool, device=seq.device).tril()
         same_bool = (seq[:, :, None] == seq[:, None, :]) & causal
-        masks = (seq, ~same_bool[:, None], ~cont, seq != seq[:, -1:])
+        masks = (seq, ~same_bool[:, None], ~cont[:, None], (seq != seq[:, -1:])[:, None])
         cache.clear()
-        cache[key] = (masks, cont, same_bool.to(cdt)[:, None])
+        cache[key] = (masks, cont, same_bool.to(cdt))
     return cache[key]
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, scale: float, use_qk_l2norm_in_kernel: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optional L2 norm of ``q, k [..., K]`` over K, then ``q * scale``."""
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    return q * scale, k
+def _restarted_cumsum(same: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """In-chunk cumulative sum of ``g [M, H, C(, K)]`` restarted at every sample start: ``same [M, C, C]``
+    (causal, same sample) applied in one batched product, to every head's row of a scalar decay as it lies
+    (no relayout), to every (head, channel) column of a per-channel one."""
+    if g.dim() == 3:
+        return torch.bmm(g, same.transpose(1, 2))
+    M, H, C, K = g.shape
+    cols = g.transpose(1, 2).reshape(M, C, H * K)
+    return (same @ cols).view(M, C, H, K).transpose(1, 2).contiguous()
 
 
-def _run_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              seq_idx: torch.Tensor | None, *, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple[int, int], dtype: torch.dtype,
+              scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
               cu_seqlens: torch.Tensor | None, chunk_size: int, per_channel: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No initial states: rows cut into fixed chunks, boundaries inside chunks (module docstring). Shapes as
-    :func:`chunk_gated_delta_rule_torch` / :func:`chunk_kda_torch`; ``seq_idx [B, T]`` or None."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    cdt = compute_dtype(q.dtype)
+    """No initial states: rows cut into fixed chunks, boundaries inside chunks (module docstring). ``x`` the
+    inputs stacked by :func:`_stack_inputs` ``[B, T, H, D]``, ``head_dims = (K, V)``, ``dtype`` q's;
+    ``seq_idx [B, T]`` or None. Returns as :func:`chunk_gated_delta_rule_torch` / :func:`chunk_kda_torch`."""
+    B, T, H = x.shape[:3]
+    K, V = head_dims
+    cdt = compute_dtype(dtype)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if T == 0:
-        final = q.new_zeros(N, H, K, V, dtype=cdt) if output_final_state else None
-        return v.new_empty(B, 0, H, V), final
+        final = x.new_zeros(N, H, K, V, dtype=cdt) if output_final_state else None
+        return x.new_empty(B, 0, H, V, dtype=dtype), final
     C = chunk_size
-    qc, kc = _prepare(_to_chunks(q, C, cdt), _to_chunks(k, C, cdt), scale, use_qk_l2norm_in_kernel)
-    vc, bc, g_c = (_to_chunks(t, C, cdt) for t in (v, beta, g))
+    qc, kc, vc, g_c, bc = _unstack_chunks(_ToChunks.apply(x, C, cdt), K, V, scale=scale, per_channel=per_channel,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if seq_idx is None:
         seq = cont = None
         masks = (None,) * 4
@@ -373,39 +469,33 @@ def _run_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         masks, cont, same = _row_masks(seq_idx, cu_seqlens, C, cdt)
         seq = masks[0]
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
-        gc = same @ g_c if per_channel else (same @ g_c[..., None]).squeeze(-1)
-    P, U, W, qg, decay_last, k_end = _intra_blocks(qc, kc, vc, gc, bc, masks, per_channel=per_channel)
+        gc = _restarted_cumsum(same, g_c)
+    P, U, W, qg, decay_last, k_end_t = _intra_blocks(qc, kc, vc, gc, bc, masks, per_channel=per_channel)
     per_sample_ends = output_final_state and cu_seqlens is not None
-    o, S, kept = _row_states(qc.new_zeros(B, H, K, V), qg, P, U, W, decay_last, k_end, B, keep=per_sample_ends)
-    final = S if output_final_state else None
+    o, final, kept = _row_states(qg, P, U, W, decay_last, k_end_t, B, keep=per_sample_ends,
+                                 end_state=output_final_state and not per_sample_ends)
     if per_sample_ends:
         h_before, v_new = kept
         final = _sample_end_states(cu_seqlens, seq, cont, gc, kc, v_new, h_before, per_channel=per_channel)
-    return _from_chunks(o, B, T, q.dtype), final
+    return _from_chunks(o, B, T, dtype), final
 
 
-def _run_layout(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+def _run_layout(x, *, head_dims, dtype, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, chunk_size, per_channel):
-    """Per-sample initial states: chunks start on sample starts (one host sync for the offsets)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
-    cdt = compute_dtype(q.dtype)
-    layout = chunk_layout(offsets, chunk_size, q.device)
-
-    def flat(x):  # [B, T, ...] -> [B*T, ...] in compute dtype
-        return x.reshape(B * T, *x.shape[2:]).to(cdt)
-
-    qf, kf = _prepare(flat(q), flat(k), scale, use_qk_l2norm_in_kernel)
-    # Pack to [M, C, H, ...] then heads first: [M, H, C, ...].
-    qc = layout.pack(qf).transpose(1, 2)
-    kc = layout.pack(kf).transpose(1, 2)
-    vc = layout.pack(flat(v)).transpose(1, 2)
-    bc = layout.pack(flat(beta)).transpose(1, 2)
-    gc = layout.pack(flat(g)).transpose(1, 2).cumsum(dim=2)
+    """Per-sample initial states: chunks start on sample starts (one host sync for the offsets). ``x`` as in
+    :func:`_run_rows`."""
+    B, T, H = x.shape[:3]
+    K, V = head_dims
+    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=x.device) if cu_seqlens is not None else row_offsets(B, T)
+    cdt = compute_dtype(dtype)
+    layout = chunk_layout(offsets, chunk_size, x.device)
+    # [B, T, H, D] -> [M, C, H, D] -> heads first [M, H, C, D]
+    xc = layout.pack(x.reshape(B * T, H, -1).to(cdt)).transpose(1, 2)
+    qc, kc, vc, g_c, bc = _unstack_chunks(xc, K, V, scale=scale, per_channel=per_channel,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     h0 = layout.to_rank_order(initial_state.to(cdt))
-    o, final = _delta_rule_chunks(qc, kc, vc, gc, bc, h0, layout, per_channel=per_channel)
-    o = layout.unpack(o.transpose(1, 2)).view(B, T, H, V).to(q.dtype)
+    o, final = _delta_rule_chunks(qc, kc, vc, g_c.cumsum(dim=2), bc, h0, layout, per_channel=per_channel)
+    o = layout.unpack(o.transpose(1, 2)).view(B, T, H, V).to(dtype)
     final = layout.to_sample_order(final) if output_final_state else None
     return o, final
 
@@ -416,21 +506,25 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
     _check_chunking(chunk_size, per_channel)
     options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                   per_channel=per_channel)
-    if seq_idx is None:  # one sample per row: no two samples share a chunk or a state
-        return _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options)
-    # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
-    quarantine = Quarantine(seq_idx, [(t, 1) for t in (q, k, v, g, beta)], initial_state)
-    q, k, v, g, beta = quarantine.clean()
-    o, final = _run_chunked(q, k, v, g, beta, seq_idx, quarantine.clean_state(initial_state), options)
-    return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
+                   per_channel=per_channel, head_dims=(q.shape[-1], v.shape[-1]), dtype=q.dtype)
+    # float32 throughout (float64 for float64) under autocast too, as compiled code runs it (autocast off inside
+    # the custom op): autocast would put the products in bfloat16, and CPU has no bfloat16 triangular solve
+    with torch.autocast(q.device.type, enabled=False) if torch.is_autocast_enabled(q.device.type) else nullcontext():
+        x = _stack_inputs(q, k, v, g, beta, per_channel=per_channel)
+        if seq_idx is None:  # one sample per row: no two samples share a chunk or a state
+            return _run_chunked(x, seq_idx, initial_state, options)
+        # a sample with a NaN/inf input or initial state computes on zeros and returns NaN (ops/_nonfinite.py)
+        quarantine = Quarantine(seq_idx, [(x, 1)], initial_state)
+        (x,) = quarantine.clean()
+        o, final = _run_chunked(x, seq_idx, quarantine.clean_state(initial_state), options)
+        return quarantine.mark(o), quarantine.mark_states(final, cu_seqlens)
 
 
-def _run_chunked(q, k, v, g, beta, seq_idx, initial_state, options):
+def _run_chunked(x, seq_idx, initial_state, options):
     """Rows cut into fixed chunks without initial states, else chunks aligned on sample starts."""
     if initial_state is None:
-        return _run_rows(q, k, v, g, beta, seq_idx, **options)
-    return _run_layout(q, k, v, g, beta, initial_state=initial_state, **options)
+        return _run_rows(x, seq_idx, **options)
+    return _run_layout(x, initial_state=initial_state, **options)
 
 
 @with_boundary_doc
