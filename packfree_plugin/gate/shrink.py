@@ -69,7 +69,9 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
                                 num_hidden_layers=4, rope_parameters=dict(
-                                    sliding_attention=dict(rope_type="default", rope_theta=50000.0),
+                                    # mrope_section: stock's default, fitted to the tiny heads like any other
+                                    sliding_attention=dict(rope_type="default", rope_theta=50000.0,
+                                                           mrope_section=[24, 20, 20]),
                                     full_attention=None)),
 }
 """Model type -> values its published checkpoints set and its default config lacks or gets wrong, so that stock
@@ -257,18 +259,25 @@ def _split(total: int, parts: list[int]) -> list[int]:
 
 def _fit_mrope_sections(values: dict[str, Any]) -> None:
     """Multimodal RoPE's (t, h, w) ``mrope_section`` must add up to half the rotary width, which shrinking the
-    heads changed (Qwen2/2.5-VL, GLM-4V): scale it, keeping each section at least 1."""
+    heads changed (Qwen2/2.5-VL, GLM-4V; per layer type in Cohere-Compass): scale it, keeping each section at least 1."""
     rope = values.get("rope_parameters") or values.get("rope_scaling")
-    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if not isinstance(rope, dict):
+        return
     heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
     head_dim = values.get("head_dim")
     if head_dim is None and isinstance(heads, int) and isinstance(hidden, int):
         head_dim = hidden // heads
-    if not isinstance(sections, list) or not isinstance(head_dim, int) or not sum(sections):
+    if not isinstance(head_dim, int):
         return
-    half = int(head_dim * rope.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)) // 2
-    if sum(sections) != half:
-        rope["mrope_section"] = _split(half, sections)
+    per_layer_type = [r for r in rope.values() if isinstance(r, dict)]
+    for parameters in per_layer_type or [rope]:
+        sections = parameters.get("mrope_section")
+        if not isinstance(sections, list) or not sum(sections):
+            continue
+        factor = parameters.get("partial_rotary_factor", values.get("partial_rotary_factor") or 1.0)
+        half = int(head_dim * factor) // 2
+        if sum(sections) != half:
+            parameters["mrope_section"] = _split(half, sections)
 
 
 def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:

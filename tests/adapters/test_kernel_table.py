@@ -22,6 +22,7 @@ NEWER_THAN_OLDEST_RELEASE = {
     "lfm3": {"Lfm3ShortConv"},
     "inkling2": {"Inkling2FullAttention", "Inkling2SlidingAttention", "Inkling2ShortConvolution"},
     "inkling2_loop": {"Inkling2LoopFullAttention", "Inkling2LoopSlidingAttention", "Inkling2LoopShortConvolution"},
+    "dots3_note": {"Dots3NoteTextAttention"},
 }
 ABSENT_HERE = {folder for folder in NEWER_THAN_OLDEST_RELEASE if not (MODELS / folder).is_dir()}
 """Model folders this (older) release lacks: their classes and routed functions are not expected here."""

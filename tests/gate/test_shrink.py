@@ -103,6 +103,7 @@ def test_types_whose_default_config_stock_cannot_build_get_a_published_shape(mod
     assert _runs(tiny_config_for(model_type), class_name).shape[:2] == (1, 5)
 
 
+@pytest.mark.model_types("dots3_note_text")
 def test_per_layer_overrides_shrink_with_the_layers_head_dims_still_adding_up() -> None:
     """Dots3-Note's sliding layers override the MLA heads and dims (``per_layer_config``): shrunk like the global
     ones, the layer's head_dim is still qk_nope + qk_rope; the indexer keeps fewer keys than a test sample has."""
@@ -116,6 +117,7 @@ def test_per_layer_overrides_shrink_with_the_layers_head_dims_still_adding_up() 
     assert _runs(tiny_config_for("dots3_note"), "Dots3NoteForCausalLM").shape[:2] == (1, 5)  # adapters' widths
 
 
+@pytest.mark.model_types("dory")
 def test_stack_sections_keep_every_layer_kind_and_still_add_up() -> None:
     """Dory: input, recurrent and output sections (``n_*_layers``) that sum to the depth, serialized with an "mlp"
     block after every layer (``to_dict`` doubles them): each section keeps each layer kind, and the sections still

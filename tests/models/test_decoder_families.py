@@ -13,6 +13,8 @@ types packfree cannot make exact are refused at load, naming the layer and the c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import copy
 from functools import cache
 
@@ -60,8 +62,17 @@ LENGTHS = [7, 1, 12, 3]  # longer than the tiny windows, chunks and top-k (4)
 MAX_DIFF: dict[str, float] = {}
 
 
+def _model_type(name: str) -> str:
+    return name.split("-")[0] if name not in ("openai-gpt",) else name
+
+
+def _cases(names: Iterable[str]) -> list:
+    """``names`` as parameters, each marked with its model type (deselected on a transformers without it)."""
+    return [pytest.param(name, marks=pytest.mark.model_types(_model_type(name))) for name in names]
+
+
 def config_for(name: str):
-    model_type = name.split("-")[0] if name not in ("openai-gpt",) else name
+    model_type = _model_type(name)
     class_name, overrides = FAMILIES[name]
     config = tiny_config_for(model_type)
     cls = getattr(transformers, class_name)
@@ -108,7 +119,7 @@ def compare(name: str, ours: torch.Tensor, theirs: torch.Tensor, what: str, atol
 
 
 @pytest.mark.parametrize("source", ["position_ids", "collator"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _cases(FAMILIES))
 def test_packed_row_equals_each_sample_alone(name: str, source: str) -> None:
     model, stock = pair(name)
     samples = samples_for(LENGTHS)
@@ -124,7 +135,7 @@ def test_packed_row_equals_each_sample_alone(name: str, source: str) -> None:
                     f"{source} sample {index}")
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", _cases(FAMILIES))
 def test_unpacked_and_padded_batches_equal_stock(name: str) -> None:
     """One sample per row: a lone sample, and a right-padded batch with its mask under the default cache."""
     model, stock = pair(name)
@@ -139,7 +150,7 @@ def test_unpacked_and_padded_batches_equal_stock(name: str) -> None:
     compare(name, ours[1], theirs[1], "right-padded row 1")
 
 
-@pytest.mark.parametrize("name", [name for name in FAMILIES if name.split("-")[0] not in NOT_GENERATING])
+@pytest.mark.parametrize("name", _cases(name for name in FAMILIES if name.split("-")[0] not in NOT_GENERATING))
 def test_generate_equals_stock(name: str) -> None:
     """Greedy decoding with the cache from a single prompt and from a left-padded batch, in float32 (stock Bloom casts
     its float64 mask minimum to a float32 -inf and gives NaN on left padding)."""
