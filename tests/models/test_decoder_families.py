@@ -13,9 +13,8 @@ types packfree cannot make exact are refused at load, naming the layer and the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import copy
+from collections.abc import Iterable
 from functools import cache
 
 import pytest
