@@ -77,8 +77,10 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     return -torch.exp(A_log.to(cdt)).view(H, 1) * F.softplus(x)
 
 
-def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool) -> torch.Tensor | None:
-    """All contract checks (cu_seqlens values only for CPU data: no host sync). Returns ``seq_idx [B, T]`` or None."""
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool, validate: bool | None = None
+              ) -> torch.Tensor | None:
+    """All contract checks (cu_seqlens values as ``validate`` says: by default only for CPU data, no host sync).
+    Returns ``seq_idx [B, T]`` or None."""
     for name, t in (("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -88,7 +90,7 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool)
         raise ValueError(f"g must have shape {list(g_shape)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must have shape {[B, T, H]}, got {tuple(beta.shape)}")
-    return resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens)
+    return resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens, validate=validate)
 
 
 def _check_chunking(chunk_size: int, per_channel: bool) -> None:
@@ -501,8 +503,8 @@ def _run_layout(x, *, head_dims, dtype, scale, initial_state, output_final_state
 
 
 def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-         chunk_size, per_channel):
-    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
+         chunk_size, per_channel, validate):
+    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel, validate=validate)
     _check_chunking(chunk_size, per_channel)
     options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
@@ -541,6 +543,7 @@ def chunk_gated_delta_rule_torch(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (Qwen3-Next / Qwen3.5), chunked, pure PyTorch; semantics of fla's ``chunk_gated_delta_rule``.
 
@@ -553,6 +556,7 @@ def chunk_gated_delta_rule_torch(
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x / sqrt(sum x^2 + 1e-6)``).
         {cu_seqlens}
         chunk_size: tokens per chunk (64 as in fla).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
@@ -562,7 +566,7 @@ def chunk_gated_delta_rule_torch(
     """
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                per_channel=False)
+                per_channel=False, validate=validate)
 
 
 @with_boundary_doc
@@ -582,6 +586,7 @@ def chunk_kda_torch(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention (per-channel decay), chunked, pure PyTorch; semantics of fla's ``chunk_kda``.
 
@@ -597,6 +602,7 @@ def chunk_kda_torch(
             is required, ``dt_bias [H*K]`` optional).
         {cu_seqlens}
         chunk_size: tokens per chunk (a power of two: the per-channel Gram matrices are built by halving).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
@@ -612,4 +618,4 @@ def chunk_kda_torch(
         g = kda_gate(g, A_log, dt_bias)
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                per_channel=True)
+                per_channel=True, validate=validate)
