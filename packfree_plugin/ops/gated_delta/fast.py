@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 from contextlib import nullcontext
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -410,28 +411,45 @@ def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.
     return torch.where((cu[1:] > cu[:-1]).view(N, 1, 1, 1), S, torch.zeros_like(S))
 
 
+@functools.lru_cache(maxsize=16)
+def _host_causal(C: int) -> numpy.ndarray:
+    """``[C, C]`` bool numpy, True on and below the diagonal."""
+    return numpy.tri(C, dtype=bool)
+
+
+def _mask_arrays(seq_idx: torch.Tensor | numpy.ndarray, C: int, causal: torch.Tensor | numpy.ndarray) -> tuple:
+    """:func:`_row_masks`' ``(seq, cut, fresh, not_last, cont, same)`` (``same`` bool) from ``seq_idx [B, T]``, in
+    torch or numpy alike (whichever ``seq_idx`` is); ``causal [C, C]`` True on and below the diagonal."""
+    xp = numpy if isinstance(seq_idx, numpy.ndarray) else torch
+    B, T = seq_idx.shape
+    pad = -T % C
+    seq = xp.concatenate([seq_idx, *[seq_idx[:, -1:]] * pad], 1) if pad else seq_idx
+    seq = seq.reshape(B, -1, C).swapaxes(0, 1).reshape(-1, C)
+    # sample of the token before each chunk: the previous chunk's last, none for a row's first chunk
+    before = xp.concatenate([xp.full_like(seq[:B, :1], -1), seq[:-B, -1:]])
+    cont = seq == before
+    same = (seq[:, :, None] == seq[:, None, :]) & causal
+    return seq, ~same[:, None], ~cont[:, None], (seq != seq[:, -1:])[:, None], cont, same
+
+
 def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype
                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """``((seq, cut, fresh, not_last), cont [M, C], same [M, C, C])`` for rows cut into chunks of ``C``,
     chunk-major as :class:`_ToChunks`: the boundary masks of :func:`_intra_chunk` (padding slots join the row's
     last sample), whether a token continues the sample running before its chunk, and the in-chunk causal
     same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
-    they are built once per forward, not once per layer or call."""
+    they are built once per forward, not once per layer or call. A CPU row builds them in numpy (a fraction of
+    torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
     cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
     if key not in cache:
-        B, T = seq_idx.shape
-        pad = -T % C
-        seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
-        seq = seq.reshape(B, -1, C).transpose(0, 1).reshape(-1, C)
-        # sample of the token before each chunk: the previous chunk's last, none for a row's first chunk
-        before = torch.cat([torch.full_like(seq[:B, :1], -1), seq[:-B, -1:]])
-        cont = seq == before
-        causal = torch.ones(C, C, dtype=torch.bool, device=seq.device).tril()
-        same_bool = (seq[:, :, None] == seq[:, None, :]) & causal
-        masks = (seq, ~same_bool[:, None], ~cont[:, None], (seq != seq[:, -1:])[:, None])
+        if seq_idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            arrays = map(torch.from_numpy, _mask_arrays(seq_idx.numpy(), C, _host_causal(C)))
+        else:
+            arrays = _mask_arrays(seq_idx, C, ~_above_diagonal(C, seq_idx.device))
+        seq, cut, fresh, not_last, cont, same = arrays
         cache.clear()
-        cache[key] = (masks, cont, same_bool.to(cdt))
+        cache[key] = ((seq, cut, fresh, not_last), cont, same.to(cdt))
     return cache[key]
 
 
