@@ -116,9 +116,16 @@ def _scalar_gram(q, k, gc, beta, cut):
     if cut is None:
         cut = _above_diagonal(gc.shape[-1], gc.device)
     decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(cut, _NEG_INF))
-    P = (q @ k.transpose(-1, -2)) * decay
-    A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])
+    P = _batched_gram(q, k) * decay
+    A = _batched_gram(k, k) * (decay * beta[..., :, None])
     return A, P
+
+
+def _batched_gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` for ``a, b [M, H, C, K]`` as one 3-d ``bmm`` (``@`` on 4-d operands adds an expand and a view per
+    operand, which at small widths cost as much as the product)."""
+    M, H, C, K = a.shape
+    return torch.bmm(a.reshape(M * H, C, K), b.reshape(M * H, C, K).transpose(1, 2)).view(M, H, C, C)
 
 
 def _lower_left_blocks(blk: torch.Tensor, C: int) -> torch.Tensor:
@@ -309,6 +316,20 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _chunked(x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
+    """:class:`_ToChunks`' forward (what runs alone where no gradient is recorded: no graph node to build)."""
+    B, T, H, D = x.shape
+    full, rem = divmod(T, chunk)
+    nc = full + (rem > 0)
+    out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
+    dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
+    dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
+    if rem:
+        dst[:, full, :rem].copy_(x[:, full * chunk :])
+        dst[:, full, rem:].zero_()
+    return out.view(nc * B, H, chunk, D)
+
+
 class _ToChunks(torch.autograd.Function):
     """``[B, T, H, D]`` -> ``[nc * B, H, C, D]`` in ``cdt``, chunk-major (chunk ``c`` of row ``b`` at ``c * B + b``:
     one step of the state recurrence is one contiguous slice), zero after the last token: one copy, cast and
@@ -318,17 +339,8 @@ class _ToChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
-        B, T, H, D = x.shape
-        full, rem = divmod(T, chunk)
-        nc = full + (rem > 0)
-        ctx.layout = (B, T, chunk, x.dtype)
-        out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
-        dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
-        dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
-        if rem:
-            dst[:, full, :rem].copy_(x[:, full * chunk :])
-            dst[:, full, rem:].zero_()
-        return out.view(nc * B, H, chunk, D)
+        ctx.layout = (x.shape[0], x.shape[1], chunk, x.dtype)
+        return _chunked(x, chunk, cdt)
 
     @staticmethod
     @once_differentiable
@@ -365,6 +377,8 @@ def _row_states(qg: torch.Tensor, P: torch.Tensor, U: torch.Tensor, W: torch.Ten
     M, H, C, V = U.shape
     K = W.shape[-1]
     nc = M // B
+    if nc == 1 and not (keep or end_state):  # one chunk per row, entering with a zero state: o = P U
+        return torch.bmm(P.reshape(M * H, C, C), U.reshape(M * H, C, V)).view(M, H, C, V), None, None
     steps = zip(*(t.reshape(nc, B * H, *t.shape[2:]).unbind(0) for t in (qg, P, U, W, decay_last, k_end_t)))
     S = None
     outs, entering, news = [], [], []
@@ -479,7 +493,8 @@ def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple
         final = x.new_zeros(N, H, K, V, dtype=cdt) if output_final_state else None
         return x.new_empty(B, 0, H, V, dtype=dtype), final
     C = chunk_size
-    qc, kc, vc, g_c, bc = _unstack_chunks(_ToChunks.apply(x, C, cdt), K, V, scale=scale, per_channel=per_channel,
+    chunked = _ToChunks.apply(x, C, cdt) if torch.is_grad_enabled() and x.requires_grad else _chunked(x, C, cdt)
+    qc, kc, vc, g_c, bc = _unstack_chunks(chunked, K, V, scale=scale, per_channel=per_channel,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if seq_idx is None:
         seq = cont = None
