@@ -219,10 +219,11 @@ def _intra_chunk(q, k, v, gc, beta, seq, cut, fresh, not_last, *, per_channel: b
     return P, U, W, q * gain, decay_last, k_end.transpose(-1, -2)
 
 
-def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: torch.Tensor, gain: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None,
+                      gain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``U = T beta v`` and ``W = T beta (k * gain)`` with ``T = (I + tril_{-1}(A))^-1``: ``A [M, H, C, C]``,
-    ``beta [M, H, C]``, ``v [M, H, C, V]``, ``k [M, H, C, K]``, ``gain [M, H, C, 1 or K]``.
+    ``beta [M, H, C]``, ``v [M, H, C, V]``, ``k [M, H, C, K]``, ``gain [M, H, C, 1 or K]``; ``k=None``: ``U``
+    alone (W None).
 
     A batched triangular solve on CPU costs in proportion to its right-hand-side columns (~2 us per column of a
     64 x 64 system), a matmul far less. Against ``K + V <= C`` columns one solve, forward and backward, is
@@ -230,12 +231,14 @@ def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: t
     and multiplying (1.7x faster at ``K + V = 256``), with beta on ``T``'s columns so that autograd keeps no
     scaled copy of ``v``."""
     V = v.shape[-1]
-    if V + k.shape[-1] <= A.shape[-1]:
+    Kw = 0 if k is None else k.shape[-1]
+    if V + Kw <= A.shape[-1]:
         b = beta[..., None]
-        rhs = torch.cat([v * b, k * (gain * b)], dim=-1)
-        return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, k.shape[-1]], -1)
+        rhs = v * b if k is None else torch.cat([v * b, k * (gain * b)], dim=-1)
+        X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        return (X, None) if k is None else tuple(X.split([V, Kw], -1))
     T_beta = _UnitLowerInverse.apply(A) * beta[..., None, :]
-    return T_beta @ v, T_beta @ (k * gain)
+    return T_beta @ v, None if k is None else T_beta @ (k * gain)
 
 
 KDA_CHUNKS_PER_BLOCK = 16
@@ -505,6 +508,12 @@ def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple
         seq = masks[0]
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
         gc = _restarted_cumsum(same, g_c)
+    if B == qc.shape[0] and not (per_channel or output_final_state):
+        # one chunk per row and no final state: no state enters or leaves a chunk, so o = P U alone
+        A, P = _scalar_gram(qc, kc, gc, bc, masks[1])
+        U, _ = _unit_lower_solve(A, bc, vc)
+        o = torch.bmm(P.reshape(-1, C, C), U.reshape(-1, C, V)).view(U.shape)
+        return _from_chunks(o, B, T, dtype), None
     P, U, W, qg, decay_last, k_end_t = _intra_blocks(qc, kc, vc, gc, bc, masks, per_channel=per_channel)
     per_sample_ends = output_final_state and cu_seqlens is not None
     o, final, kept = _row_states(qg, P, U, W, decay_last, k_end_t, B, keep=per_sample_ends,
