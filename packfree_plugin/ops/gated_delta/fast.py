@@ -380,8 +380,6 @@ def _row_states(qg: torch.Tensor, P: torch.Tensor, U: torch.Tensor, W: torch.Ten
     M, H, C, V = U.shape
     K = W.shape[-1]
     nc = M // B
-    if nc == 1 and not (keep or end_state):  # one chunk per row, entering with a zero state: o = P U
-        return torch.bmm(P.reshape(M * H, C, C), U.reshape(M * H, C, V)).view(M, H, C, V), None, None
     steps = zip(*(t.reshape(nc, B * H, *t.shape[2:]).unbind(0) for t in (qg, P, U, W, decay_last, k_end_t)))
     S = None
     outs, entering, news = [], [], []
