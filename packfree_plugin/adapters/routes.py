@@ -92,10 +92,15 @@ def _kda_op(boundaries: Boundaries, q, k, v, g, beta, *, scale: float | None,
 
 
 def _flattened(boundaries: Boundaries, op: Callable, *tensors: torch.Tensor, **options: Any) -> torch.Tensor:
-    """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows."""
+    """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows.
+    validate=False: boundaries build their cu_seqlens valid (reading it back per layer costs a short row dearly),
+    and hand over the per-token form they hold (the op would derive it again)."""
+    from ..ops._seq import describe_cu_seqlens
+
     batch, seq_len = tensors[0].shape[:2]
     flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
-    out, _ = op(*flat, cu_seqlens=boundaries.cu_seqlens, **options)
+    cu_seqlens = describe_cu_seqlens(boundaries.cu_seqlens, boundaries.seq_idx.view(1, batch * seq_len))
+    out, _ = op(*flat, cu_seqlens=cu_seqlens, validate=False, **options)
     return out.reshape(batch, seq_len, *out.shape[2:]).to(tensors[2].dtype)
 
 

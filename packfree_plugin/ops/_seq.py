@@ -10,6 +10,7 @@ from torch import Tensor
 
 __all__ = [
     "cu_seqlens_to_seq_idx",
+    "describe_cu_seqlens",
     "first_token_mask",
     "same_sample_as_previous",
     "resolve_seq_idx",
@@ -92,6 +93,19 @@ def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device:
         cu_seqlens.__dict__[_CHECKED] = (cu_seqlens._version, total_tokens)
 
 
+_SEQ_IDX = "_packfree_seq_idx"
+"""Attribute of a ``cu_seqlens`` tensor: ``((version, T), seq_idx [1, T])``, its per-token form."""
+
+
+def describe_cu_seqlens(cu_seqlens: Tensor, seq_idx: Tensor) -> Tensor:
+    """Give ``cu_seqlens [N+1]`` its per-token form ``seq_idx [1, T]`` (int32, the same split: what
+    :func:`cu_seqlens_to_seq_idx` would compute), for a caller that holds both, built together (packfree's
+    boundaries), so that :func:`resolve_seq_idx` does not derive it again. Returns ``cu_seqlens``."""
+    if cu_seqlens.__dict__.get(_SEQ_IDX) is None:
+        cu_seqlens.__dict__[_SEQ_IDX] = ((cu_seqlens._version, seq_idx.shape[-1]), seq_idx)
+    return cu_seqlens
+
+
 def resolve_seq_idx(
     batch: int,
     total_tokens: int,
@@ -123,10 +137,10 @@ def resolve_seq_idx(
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, batch, total_tokens, device, validate)
         key = (cu_seqlens._version, total_tokens)
-        cached = cu_seqlens.__dict__.get("_packfree_seq_idx")
+        cached = cu_seqlens.__dict__.get(_SEQ_IDX)
         if cached is None or cached[0] != key:  # every layer of a forward passes the same cu_seqlens
             cached = (key, cu_seqlens_to_seq_idx(cu_seqlens, total_tokens))
-            cu_seqlens.__dict__["_packfree_seq_idx"] = cached
+            cu_seqlens.__dict__[_SEQ_IDX] = cached
         from_cu = cached[1]
         if seq_idx is None:
             return from_cu

@@ -369,3 +369,20 @@ def test_bad_tensor_arguments_raise(family):
             chunk_kda(*x.values(), use_gate_in_kernel=True)
         with pytest.raises(ValueError, match="A_log must have H=2"):
             chunk_kda(*x.values(), use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=F64))
+
+
+@pytest.mark.parametrize("lengths, rows, chunk", [([5, 17, 1, 30], 1, 16), ([3, 9, 4, 8], 2, 8), ([70, 2, 24], 1, 64)])
+def test_device_row_masks_equal_the_host_ones(lengths, rows, chunk):
+    """A CPU row builds its boundary masks in numpy, other devices in torch: both builders give the same masks
+    (CPU tests run the numpy one against the naive reference everywhere else)."""
+    from packfree_plugin.ops.gated_delta.fast import _above_diagonal, _host_causal, _mask_arrays
+
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    seq_idx = seq_idx.view(rows, -1)  # rows > 1: each row holds whole samples, indices continue across rows
+    host = _mask_arrays(seq_idx.numpy(), chunk, _host_causal(chunk))
+    device = _mask_arrays(seq_idx, chunk, ~_above_diagonal(chunk, seq_idx.device))
+    assert len(host) == len(device) == 6
+    for h, d in zip(host, device):
+        assert torch.equal(torch.from_numpy(h), d)
+    same = device[-1]  # [M, C, C]: causal, every token with itself
+    assert same.diagonal(dim1=1, dim2=2).all() and not same.triu(1).any()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 from contextlib import nullcontext
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -77,8 +78,10 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     return -torch.exp(A_log.to(cdt)).view(H, 1) * F.softplus(x)
 
 
-def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool) -> torch.Tensor | None:
-    """All contract checks (cu_seqlens values only for CPU data: no host sync). Returns ``seq_idx [B, T]`` or None."""
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool, validate: bool | None = None
+              ) -> torch.Tensor | None:
+    """All contract checks (cu_seqlens values as ``validate`` says: by default only for CPU data, no host sync).
+    Returns ``seq_idx [B, T]`` or None."""
     for name, t in (("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -88,7 +91,7 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool)
         raise ValueError(f"g must have shape {list(g_shape)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must have shape {[B, T, H]}, got {tuple(beta.shape)}")
-    return resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens)
+    return resolve_seq_idx(B, T, q.device, cu_seqlens=cu_seqlens, validate=validate)
 
 
 def _check_chunking(chunk_size: int, per_channel: bool) -> None:
@@ -113,9 +116,16 @@ def _scalar_gram(q, k, gc, beta, cut):
     if cut is None:
         cut = _above_diagonal(gc.shape[-1], gc.device)
     decay = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(cut, _NEG_INF))
-    P = (q @ k.transpose(-1, -2)) * decay
-    A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])
+    P = _batched_gram(q, k) * decay
+    A = _batched_gram(k, k) * (decay * beta[..., :, None])
     return A, P
+
+
+def _batched_gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` for ``a, b [M, H, C, K]`` as one 3-d ``bmm`` (``@`` on 4-d operands adds an expand and a view per
+    operand, which at small widths cost as much as the product)."""
+    M, H, C, K = a.shape
+    return torch.bmm(a.reshape(M * H, C, K), b.reshape(M * H, C, K).transpose(1, 2)).view(M, H, C, C)
 
 
 def _lower_left_blocks(blk: torch.Tensor, C: int) -> torch.Tensor:
@@ -209,10 +219,11 @@ def _intra_chunk(q, k, v, gc, beta, seq, cut, fresh, not_last, *, per_channel: b
     return P, U, W, q * gain, decay_last, k_end.transpose(-1, -2)
 
 
-def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: torch.Tensor, gain: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None,
+                      gain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``U = T beta v`` and ``W = T beta (k * gain)`` with ``T = (I + tril_{-1}(A))^-1``: ``A [M, H, C, C]``,
-    ``beta [M, H, C]``, ``v [M, H, C, V]``, ``k [M, H, C, K]``, ``gain [M, H, C, 1 or K]``.
+    ``beta [M, H, C]``, ``v [M, H, C, V]``, ``k [M, H, C, K]``, ``gain [M, H, C, 1 or K]``; ``k=None``: ``U``
+    alone (W None).
 
     A batched triangular solve on CPU costs in proportion to its right-hand-side columns (~2 us per column of a
     64 x 64 system), a matmul far less. Against ``K + V <= C`` columns one solve, forward and backward, is
@@ -220,12 +231,14 @@ def _unit_lower_solve(A: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, k: t
     and multiplying (1.7x faster at ``K + V = 256``), with beta on ``T``'s columns so that autograd keeps no
     scaled copy of ``v``."""
     V = v.shape[-1]
-    if V + k.shape[-1] <= A.shape[-1]:
+    Kw = 0 if k is None else k.shape[-1]
+    if V + Kw <= A.shape[-1]:
         b = beta[..., None]
-        rhs = torch.cat([v * b, k * (gain * b)], dim=-1)
-        return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, k.shape[-1]], -1)
+        rhs = v * b if k is None else torch.cat([v * b, k * (gain * b)], dim=-1)
+        X = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        return (X, None) if k is None else tuple(X.split([V, Kw], -1))
     T_beta = _UnitLowerInverse.apply(A) * beta[..., None, :]
-    return T_beta @ v, T_beta @ (k * gain)
+    return T_beta @ v, None if k is None else T_beta @ (k * gain)
 
 
 KDA_CHUNKS_PER_BLOCK = 16
@@ -306,6 +319,20 @@ def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _chunked(x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
+    """:class:`_ToChunks`' forward (what runs alone where no gradient is recorded: no graph node to build)."""
+    B, T, H, D = x.shape
+    full, rem = divmod(T, chunk)
+    nc = full + (rem > 0)
+    out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
+    dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
+    dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
+    if rem:
+        dst[:, full, :rem].copy_(x[:, full * chunk :])
+        dst[:, full, rem:].zero_()
+    return out.view(nc * B, H, chunk, D)
+
+
 class _ToChunks(torch.autograd.Function):
     """``[B, T, H, D]`` -> ``[nc * B, H, C, D]`` in ``cdt``, chunk-major (chunk ``c`` of row ``b`` at ``c * B + b``:
     one step of the state recurrence is one contiguous slice), zero after the last token: one copy, cast and
@@ -315,17 +342,8 @@ class _ToChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, chunk: int, cdt: torch.dtype) -> torch.Tensor:
-        B, T, H, D = x.shape
-        full, rem = divmod(T, chunk)
-        nc = full + (rem > 0)
-        ctx.layout = (B, T, chunk, x.dtype)
-        out = x.new_empty((nc, B, H, chunk, D), dtype=cdt)
-        dst = out.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D] view
-        dst[:, :full].copy_(x[:, : full * chunk].reshape(B, full, chunk, H, D))
-        if rem:
-            dst[:, full, :rem].copy_(x[:, full * chunk :])
-            dst[:, full, rem:].zero_()
-        return out.view(nc * B, H, chunk, D)
+        ctx.layout = (x.shape[0], x.shape[1], chunk, x.dtype)
+        return _chunked(x, chunk, cdt)
 
     @staticmethod
     @once_differentiable
@@ -408,28 +426,45 @@ def _sample_end_states(cu_seqlens: torch.Tensor, seq: torch.Tensor, cont: torch.
     return torch.where((cu[1:] > cu[:-1]).view(N, 1, 1, 1), S, torch.zeros_like(S))
 
 
+@functools.lru_cache(maxsize=16)
+def _host_causal(C: int) -> numpy.ndarray:
+    """``[C, C]`` bool numpy, True on and below the diagonal."""
+    return numpy.tri(C, dtype=bool)
+
+
+def _mask_arrays(seq_idx: torch.Tensor | numpy.ndarray, C: int, causal: torch.Tensor | numpy.ndarray) -> tuple:
+    """:func:`_row_masks`' ``(seq, cut, fresh, not_last, cont, same)`` (``same`` bool) from ``seq_idx [B, T]``, in
+    torch or numpy alike (whichever ``seq_idx`` is); ``causal [C, C]`` True on and below the diagonal."""
+    xp = numpy if isinstance(seq_idx, numpy.ndarray) else torch
+    B, T = seq_idx.shape
+    pad = -T % C
+    seq = xp.concatenate([seq_idx, *[seq_idx[:, -1:]] * pad], 1) if pad else seq_idx
+    seq = seq.reshape(B, -1, C).swapaxes(0, 1).reshape(-1, C)
+    # sample of the token before each chunk: the previous chunk's last, none for a row's first chunk
+    before = xp.concatenate([xp.full_like(seq[:B, :1], -1), seq[:-B, -1:]])
+    cont = seq == before
+    same = (seq[:, :, None] == seq[:, None, :]) & causal
+    return seq, ~same[:, None], ~cont[:, None], (seq != seq[:, -1:])[:, None], cont, same
+
+
 def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, cdt: torch.dtype
                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """``((seq, cut, fresh, not_last), cont [M, C], same [M, C, C])`` for rows cut into chunks of ``C``,
     chunk-major as :class:`_ToChunks`: the boundary masks of :func:`_intra_chunk` (padding slots join the row's
     last sample), whether a token continues the sample running before its chunk, and the in-chunk causal
     same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
-    they are built once per forward, not once per layer or call."""
+    they are built once per forward, not once per layer or call. A CPU row builds them in numpy (a fraction of
+    torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
     cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
     if key not in cache:
-        B, T = seq_idx.shape
-        pad = -T % C
-        seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1) if pad else seq_idx
-        seq = seq.reshape(B, -1, C).transpose(0, 1).reshape(-1, C)
-        # sample of the token before each chunk: the previous chunk's last, none for a row's first chunk
-        before = torch.cat([torch.full_like(seq[:B, :1], -1), seq[:-B, -1:]])
-        cont = seq == before
-        causal = torch.ones(C, C, dtype=torch.bool, device=seq.device).tril()
-        same_bool = (seq[:, :, None] == seq[:, None, :]) & causal
-        masks = (seq, ~same_bool[:, None], ~cont[:, None], (seq != seq[:, -1:])[:, None])
+        if seq_idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            arrays = map(torch.from_numpy, _mask_arrays(seq_idx.numpy(), C, _host_causal(C)))
+        else:
+            arrays = _mask_arrays(seq_idx, C, ~_above_diagonal(C, seq_idx.device))
+        seq, cut, fresh, not_last, cont, same = arrays
         cache.clear()
-        cache[key] = (masks, cont, same_bool.to(cdt))
+        cache[key] = ((seq, cut, fresh, not_last), cont, same.to(cdt))
     return cache[key]
 
 
@@ -459,7 +494,8 @@ def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple
         final = x.new_zeros(N, H, K, V, dtype=cdt) if output_final_state else None
         return x.new_empty(B, 0, H, V, dtype=dtype), final
     C = chunk_size
-    qc, kc, vc, g_c, bc = _unstack_chunks(_ToChunks.apply(x, C, cdt), K, V, scale=scale, per_channel=per_channel,
+    chunked = _ToChunks.apply(x, C, cdt) if torch.is_grad_enabled() and x.requires_grad else _chunked(x, C, cdt)
+    qc, kc, vc, g_c, bc = _unstack_chunks(chunked, K, V, scale=scale, per_channel=per_channel,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if seq_idx is None:
         seq = cont = None
@@ -470,6 +506,12 @@ def _run_rows(x: torch.Tensor, seq_idx: torch.Tensor | None, *, head_dims: tuple
         seq = masks[0]
         # cumulative log decay restarted at every sample start: both ends of G_r - G_s sum from the same token
         gc = _restarted_cumsum(same, g_c)
+    if B == qc.shape[0] and not (per_channel or output_final_state):
+        # one chunk per row and no final state: no state enters or leaves a chunk, so o = P U alone
+        A, P = _scalar_gram(qc, kc, gc, bc, masks[1])
+        U, _ = _unit_lower_solve(A, bc, vc)
+        o = torch.bmm(P.reshape(-1, C, C), U.reshape(-1, C, V)).view(U.shape)
+        return _from_chunks(o, B, T, dtype), None
     P, U, W, qg, decay_last, k_end_t = _intra_blocks(qc, kc, vc, gc, bc, masks, per_channel=per_channel)
     per_sample_ends = output_final_state and cu_seqlens is not None
     o, final, kept = _row_states(qg, P, U, W, decay_last, k_end_t, B, keep=per_sample_ends,
@@ -501,8 +543,8 @@ def _run_layout(x, *, head_dims, dtype, scale, initial_state, output_final_state
 
 
 def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-         chunk_size, per_channel):
-    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
+         chunk_size, per_channel, validate):
+    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel, validate=validate)
     _check_chunking(chunk_size, per_channel)
     options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
@@ -541,6 +583,7 @@ def chunk_gated_delta_rule_torch(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (Qwen3-Next / Qwen3.5), chunked, pure PyTorch; semantics of fla's ``chunk_gated_delta_rule``.
 
@@ -553,6 +596,7 @@ def chunk_gated_delta_rule_torch(
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (``x / sqrt(sum x^2 + 1e-6)``).
         {cu_seqlens}
         chunk_size: tokens per chunk (64 as in fla).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
@@ -562,7 +606,7 @@ def chunk_gated_delta_rule_torch(
     """
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                per_channel=False)
+                per_channel=False, validate=validate)
 
 
 @with_boundary_doc
@@ -582,6 +626,7 @@ def chunk_kda_torch(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention (per-channel decay), chunked, pure PyTorch; semantics of fla's ``chunk_kda``.
 
@@ -597,6 +642,7 @@ def chunk_kda_torch(
             is required, ``dt_bias [H*K]`` optional).
         {cu_seqlens}
         chunk_size: tokens per chunk (a power of two: the per-channel Gram matrices are built by halving).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``.
@@ -612,4 +658,4 @@ def chunk_kda_torch(
         g = kda_gate(g, A_log, dt_bias)
     return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                per_channel=True)
+                per_channel=True, validate=validate)

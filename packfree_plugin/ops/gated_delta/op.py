@@ -49,6 +49,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: Backend = "auto",
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boundary-aware Gated DeltaNet (Qwen3-Next / Qwen3.5), fla's ``chunk_gated_delta_rule`` contract.
 
@@ -62,6 +63,7 @@ def chunk_gated_delta_rule(
         {cu_seqlens}
         backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
             ``"kernel"`` (force fla; ValueError if it does not import).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
@@ -76,9 +78,9 @@ def chunk_gated_delta_rule(
     if fla_fn is None:
         return chunk_gated_delta_rule_torch(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, validate=validate,
         )
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False)
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False, validate=validate)
     return fla_fn(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=_fla_cu_seqlens(cu_seqlens),
@@ -102,6 +104,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     backend: Backend = "auto",
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boundary-aware Kimi Delta Attention (per-channel decay), fla's ``chunk_kda`` contract.
 
@@ -118,6 +121,7 @@ def chunk_kda(
         {cu_seqlens}
         backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
             ``"kernel"`` (force fla; ValueError if it does not import).
+        validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
@@ -135,9 +139,9 @@ def chunk_kda(
         return chunk_kda_torch(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+            A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, validate=validate,
         )
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True)
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True, validate=validate)
     extra = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
     return fla_fn(
         q, k, v, g, beta, scale=scale,
