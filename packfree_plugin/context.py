@@ -347,8 +347,12 @@ def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 def _fits(boundaries: Boundaries, tokens: Any) -> bool:
-    """Whether ``tokens`` is a ``[B, T, ...]`` tensor that ``boundaries`` describe."""
-    return isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and boundaries.describes(*tokens.shape[:2])
+    """Whether ``tokens`` is a row of tokens that ``boundaries`` describe: ``[B, T]`` ids or ``[B, T, D]``
+    embeddings. A 2-D float tensor is a tower's ``[N, D]`` patches or frames, never a row, even where its shape
+    happens to equal the text rows' (16 Qwen-VL patches of 1176 values against 16 rows of 1176 tokens)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2 or (tokens.ndim == 2 and tokens.is_floating_point()):
+        return False
+    return boundaries.describes(*tokens.shape[:2])
 
 
 def _inherits(boundaries: Boundaries, tokens: Any, arguments: dict[str, Any]) -> bool:

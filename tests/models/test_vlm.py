@@ -286,3 +286,19 @@ def test_paligemma_packed_prefix_lm_rows_with_images_equal_each_sample_alone() -
         packed = model(**{key: value for key, value in batch.items() if key != "labels"}).logits[0]
         alone = torch.cat([stock(**sample).logits[0] for sample in samples])
     assert_close(packed, alone, atol=1e-6, rtol=0, what="packed paligemma")
+
+
+def test_a_tower_whose_patches_have_the_text_rows_shape_keeps_its_own_attention() -> None:
+    """Qwen2-VL's vision tower takes ``[N, 1176]`` patches; with N = 4 and 4 text rows of 1176 tokens the shapes
+    coincide. The tower once took the text rows' boundaries (a ValueError on a batch stock runs); now a 2-D float
+    tensor is never a row of tokens, and the batch equals stock."""
+    case = CASES["qwen2_vl"]
+    model, stock = _pair("qwen2_vl")
+    image = case.sample([5], [(2, 2)], [7], seed=1)
+    patches, width = image["pixel_values"].shape
+    rows = torch.randint(3, 200, (patches, width), generator=torch.Generator().manual_seed(0))
+    rows[0, :image["input_ids"].shape[1]] = image["input_ids"][0]
+    batch = {"input_ids": rows, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"],
+             "mm_token_type_ids": (rows == case.image_token).long()}
+    with torch.no_grad():
+        assert_close(model(**batch).logits, stock(**batch).logits, atol=EXACT, rtol=0, what="qwen2_vl")
