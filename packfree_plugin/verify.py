@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .gate.proof import Proof
+from .gate.proof import Proof, with_decoder_inputs
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row"]
 
@@ -158,10 +158,9 @@ def audit(
     # a different token at every position of the perturbed sample
     changed[perturbed] = (samples[perturbed] - low + torch.randint(1, vocab - low, (lengths[perturbed],),
                                                                    generator=generator)) % (vocab - low) + low
-    base = {k: v.to(parameter.device) for k, v in packed_row(samples).items()}
-    other = {k: v.to(parameter.device) for k, v in packed_row(changed).items()}
-    if getattr(model.config, "is_encoder_decoder", False):  # the decoder holds the same samples (as in the proof)
-        base["decoder_input_ids"], other["decoder_input_ids"] = base["input_ids"], other["input_ids"]
+    # an encoder-decoder's decoder holds the same samples, as in the load-time proof
+    base = with_decoder_inputs(model, {k: v.to(parameter.device) for k, v in packed_row(samples).items()})
+    other = with_decoder_inputs(model, {k: v.to(parameter.device) for k, v in packed_row(changed).items()})
     seq_len = sum(lengths)
     start = sum(lengths[:perturbed])
     outside = torch.ones(seq_len, dtype=torch.bool)

@@ -131,7 +131,7 @@ def build_stock(cls: type, config) -> tuple[nn.Module, str]:
         return _build(cls, config, "eager"), "eager"
 
 
-def _with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+def with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` plus, for an encoder-decoder model, ``decoder_input_ids`` equal to its ``input_ids`` (a packed row's
     decoder then holds the same samples in the same layout as its encoder; many such models take no decoder
     inputs from nowhere)."""
@@ -146,7 +146,7 @@ def alone_outputs(stock: nn.Module, samples: Sequence[torch.Tensor]) -> list[tor
     outputs = []
     with torch.no_grad():
         for sample in samples:
-            inputs = _with_decoder_inputs(stock, {"input_ids": sample[None]})
+            inputs = with_decoder_inputs(stock, {"input_ids": sample[None]})
             try:
                 outputs.append(main_output(stock(**inputs)).float())
             except Exception:  # noqa: BLE001 - e.g. xLSTM's default cache fails on stock; retry without it
@@ -191,8 +191,8 @@ def _wrong_modules(model: nn.Module, stock: nn.Module, samples: Sequence[torch.T
     """The first modules (in completion order) whose per-token output on the packed row differs from the same
     module's output on a sample run alone on stock."""
     lengths = [len(s) for s in samples]
-    packed = _first_outputs(model, _with_decoder_inputs(model, packed_batch(samples, mode)))
-    alone = [_first_outputs(stock, _with_decoder_inputs(stock, {"input_ids": s[None]})) for s in samples]
+    packed = _first_outputs(model, with_decoder_inputs(model, packed_batch(samples, mode)))
+    alone = [_first_outputs(stock, with_decoder_inputs(stock, {"input_ids": s[None]})) for s in samples]
     wrong = []
     for name, tensor in packed.items():
         if tensor.ndim < 2 or tensor.shape[0] != 1 or tensor.shape[1] != sum(lengths):
@@ -223,7 +223,7 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     samples = sample_tokens(lengths, int(vocab or TINY_VOCAB), seed=seed)
     alone = alone_outputs(stock, samples)
     for mode in MODES:
-        batch = _with_decoder_inputs(model, packed_batch(samples, mode))
+        batch = with_decoder_inputs(model, packed_batch(samples, mode))
         try:
             with torch.no_grad():
                 packed = main_output(model(**batch))

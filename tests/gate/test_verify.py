@@ -19,3 +19,11 @@ def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys, roberta_with
 def test_verify_passes_an_exact_model_on_both_checks() -> None:
     mine, stock = verify("llama")
     assert mine.ok and mine.alone.exact and stock is not None
+
+
+def test_verify_runs_an_encoder_decoder_on_both_sides() -> None:
+    """T5 makes no decoder inputs of its own: the audit gives its decoder the packed samples too (as the load-time
+    proof does; before, ``packfree verify t5`` crashed before auditing). Stock sdpa leaks them, packfree does not."""
+    mine, stock = verify("t5")
+    assert mine.ok and mine.alone.exact and not mine.leaks
+    assert stock is not None and stock.leaks
