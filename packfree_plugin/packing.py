@@ -42,9 +42,9 @@ __all__ = [
 ]
 
 
-def _check_max_tokens(max_tokens: Any) -> int:
+def _check_max_tokens(max_tokens: Any, name: str = "max_tokens") -> int:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        raise ValueError(f"{name} must be a positive int, got {max_tokens!r}")
     return max_tokens
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .packing import _check_max_tokens
+
 __all__ = ["Seq2SeqPackedCollator", "pack_pairs"]
 
 
@@ -31,9 +33,8 @@ def pack_pairs(source_lengths: Sequence[int], target_lengths: Sequence[int], *, 
                max_target_tokens: int) -> list[list[int]]:
     """Example indices per row: each example goes, in order, to the first row where its source and its target both
     still fit their budgets (first fit). An example longer than a budget raises ``ValueError``."""
-    for name, budget in (("max_source_tokens", max_source_tokens), ("max_target_tokens", max_target_tokens)):
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"{name} must be a positive int, got {budget!r}")
+    _check_max_tokens(max_source_tokens, "max_source_tokens")
+    _check_max_tokens(max_target_tokens, "max_target_tokens")
     rows: list[list[int]] = []
     used: list[tuple[int, int]] = []
     for index, (source, target) in enumerate(zip(source_lengths, target_lengths, strict=True)):
