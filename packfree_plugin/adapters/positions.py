@@ -53,7 +53,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import class_forward_parameters, current
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
-from .registry import register_by_class_name
+from .registry import additive_mask, register_by_class_name
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
@@ -350,7 +350,7 @@ def dense_additive_mask(boundaries: Boundaries, *, causal: bool, dtype: torch.dt
     allowed = segment[:, :, None] == segment[:, None, :]
     if causal:
         allowed = allowed & torch.ones_like(allowed[0], dtype=torch.bool).tril()
-    return torch.zeros((), dtype=dtype, device=segment.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return additive_mask(allowed, dtype)[:, None]
 
 
 @torch.compiler.disable  # built from the host offsets of each packing
@@ -364,8 +364,7 @@ def dense_cross_mask(pairing: Seq2SeqBoundaries, dtype: torch.dtype) -> torch.Te
         reads[decoder_start:decoder_start + decoder_length] = index
         source[encoder_start:encoder_start + encoder_length] = index
     allowed = reads.view(decoder.batch_size, decoder.seq_len, 1) == source.view(encoder.batch_size, 1, encoder.seq_len)
-    mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-    return mask.to(decoder.device)
+    return additive_mask(allowed, dtype)[:, None].to(decoder.device)
 
 
 def _dense_mask_forward(module: nn.Module, *args, **kwargs):
@@ -400,8 +399,7 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
         causal = bool(getattr(module, "is_decoder", False)) and encoder is None
         arguments[mask_name] = dense_additive_mask(mask, causal=causal, dtype=hidden.dtype)
     elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        arguments[mask_name] = torch.zeros((), dtype=hidden.dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(hidden.dtype).min)
+        arguments[mask_name] = additive_mask(mask, hidden.dtype)
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
     return own_forward(module, tag=_TAG)(**arguments, **extra)
 

@@ -32,8 +32,8 @@ from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
-__all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "check_coverage", "dense_causal_mask", "positions_per_sample",
-           "register_adapter", "wrap_mixers"]
+__all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "additive_mask", "check_coverage", "dense_causal_mask",
+           "positions_per_sample", "register_adapter", "wrap_mixers"]
 
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
@@ -152,9 +152,13 @@ def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, wi
     allowed = allowed.expand(num_samples, 1, length, length)
     if keys is not None:
         allowed = allowed & keys[:, None, None, :]
-    if additive_dtype is None:
-        return allowed
-    return torch.zeros((), dtype=additive_dtype, device=device).masked_fill(~allowed, torch.finfo(additive_dtype).min)
+    return allowed if additive_dtype is None else additive_mask(allowed, additive_dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: may attend) as the additive float mask eager attention adds to its scores: 0 where
+    allowed, the dtype's minimum elsewhere (transformers' eager masks)."""
+    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 _MAX_WASTE = 0.25
@@ -284,7 +288,7 @@ def _rows_mask(boundaries: Boundaries, layer: nn.Module) -> torch.Tensor:
 def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
     """Transformers' ``sdpa`` mask (bool or None) in the form ``implementation`` expects."""
     if implementation == "eager" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return additive_mask(mask, dtype)
     return mask
 
 
