@@ -171,7 +171,7 @@ class Boundaries:
     def position_ids(self) -> torch.Tensor:
         """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
         def build() -> torch.Tensor:
-            starts = numpy.repeat(numpy.array(self.offsets[:-1], dtype=numpy.int64), self.lengths)
+            starts = numpy.repeat(self.host_offsets.numpy()[:-1], self.lengths)
             positions = numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts
             return torch.from_numpy(positions).view(self.batch_size, self.seq_len).to(self.device)
 
@@ -180,7 +180,7 @@ class Boundaries:
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return self.memo("padding_tokens", lambda: self._per_token(numpy.array(self.padding, dtype=bool)))
+        return self.memo("padding_tokens", lambda: self._per_token(self.host_padding.numpy()))
 
     def __repr__(self) -> str:
         return (

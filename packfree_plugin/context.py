@@ -404,11 +404,9 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     _check_rope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     inherited = outer is not None and _inherits(outer, _tokens(arguments), arguments)
-    decoder = None if inherited else _paired_decoder(outer, arguments, kwargs)
-    if inherited:
-        boundaries = outer
-    else:
-        boundaries = decoder if decoder is not None else boundaries_for_call(arguments, causal_labels=not seq2seq)
+    boundaries = outer if inherited else _paired_decoder(outer, arguments, kwargs)
+    if boundaries is None:
+        boundaries = boundaries_for_call(arguments, causal_labels=not seq2seq)
     if seq2seq:
         _pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:

@@ -277,7 +277,7 @@ def cross_segment_attention(
     encoder_len = key.shape[2]
     flat_q = query.transpose(1, 2).reshape(batch * decoder_len, heads, query.shape[3])
     flat_k, flat_v = (t.transpose(1, 2).reshape(batch * encoder_len, t.shape[1], t.shape[3]) for t in (key, value))
-    groups, where = pairing.decoder.memo(f"cross_attention_plan:{query.device}",
+    groups, where = pairing.decoder.memo(("cross_attention_plan", query.device),
                                          lambda: _cross_plan(pairing, query.device))
     result = query.new_zeros(batch * decoder_len, heads, value.shape[-1])
     if not groups:  # every decoder row is padding
