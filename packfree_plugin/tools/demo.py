@@ -388,7 +388,7 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def decompose(result: Mapping[str, Any]) -> dict[str, float]:
+def decompose(result: Mapping[str, Any]) -> dict[str, float | bool]:
     """The speedup of :func:`compare_training`'s four runs as its parts, each with its ceiling.
 
     - ``ops``: stock padded -> packfree padded, the same batches; packfree's ops alone. Ceiling ``ops_ceiling``:
@@ -399,14 +399,15 @@ def decompose(result: Mapping[str, Any]) -> dict[str, float]:
     """
     stock, mine, floor, packed = (result[k].tokens_per_second for k in ("padded", "packfree_padded", "floor",
                                                                           "packed"))
-    parts = {"ops": mine / stock, "ops_ceiling": floor / stock,
-             "padding": packed / mine, "padding_ceiling": result["packfree_padded"].slot_tokens / result["packed"].slot_tokens}
+    slots_padded, slots_packed = result["packfree_padded"].slot_tokens, result["packed"].slot_tokens
+    parts: dict[str, float | bool] = {"ops": mine / stock, "ops_ceiling": floor / stock, "padding": packed / mine,
+                                      "padding_ceiling": slots_padded / slots_packed}
     parts.update(total=parts["ops"] * parts["padding"], total_ceiling=parts["ops_ceiling"] * parts["padding_ceiling"])
     parts["within_ceilings"] = all(parts[k] <= parts[f"{k}_ceiling"] for k in ("ops", "padding", "total"))
     return parts
 
 
-def decomposition_table(parts: Mapping[str, float]) -> list[str]:
+def decomposition_table(parts: Mapping[str, float | bool]) -> list[str]:
     """Markdown rows: each part of the speedup, the runs it compares, its ceiling and what sets the ceiling."""
     rows = [("packfree's ops", "stock padded -> packfree padded", "ops",
              "the floor run over stock padded: the same padded step with every token-mixing layer skipped, what "
@@ -419,7 +420,7 @@ def decomposition_table(parts: Mapping[str, float]) -> list[str]:
               for name, runs, key, why in rows)]
 
 
-def decomposition_line(parts: Mapping[str, float]) -> str:
+def decomposition_line(parts: Mapping[str, float | bool]) -> str:
     """One console line: each part against its ceiling, then the product."""
     return (f"speedup {parts['total']:.2f}x (ceiling {parts['total_ceiling']:.2f}x) = packfree's ops "
             f"{parts['ops']:.2f}x (ceiling {parts['ops_ceiling']:.2f}x: token mixers free) x padding removed "
