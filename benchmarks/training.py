@@ -1,9 +1,11 @@
 """End-to-end training throughput on GSM8K: packfree vs padded, same model, samples and order, one run.
 
-The HF ``Trainer`` trains the demo's Qwen3.5-like hybrid (Gated DeltaNet + attention) twice from the same
-initial weights: padded (stock ``sdpa``, each step padded to its longest sample) and packed (``packfree``,
-the same 16 samples of each step in one unpadded row, token budget 4096). Reported: real (non-padding) tokens per second of
-training, the ratio (target >= 1.6x), packing efficiency, and the largest per-step loss difference. Run with
+The HF ``Trainer`` trains the demo's Qwen3.5-like hybrid (Gated DeltaNet + attention) four times from the same
+initial weights: padded (stock ``sdpa``, each step padded to its longest sample), the same padded batches under
+``packfree``, those again with every token-mixing layer skipped (the floor of packfree's ops), and packed
+(``packfree``, the same 16 samples of each step in one unpadded row, token budget 4096). Reported: real (non-padding)
+tokens per second of training, each run's ratio to stock padded (packed: target >= 1.6x), packing efficiency, and the
+largest per-step loss difference (stock padded against packed). Run with
 ``python -m benchmarks.training [--quick]``; ``nox -s bench`` runs it with the other benchmarks.
 """
 

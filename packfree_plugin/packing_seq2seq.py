@@ -2,7 +2,7 @@
 
 :class:`Seq2SeqPackedCollator` takes tokenised examples as ``DataCollatorForSeq2Seq`` does (``input_ids`` and
 ``labels`` lists, optionally ``decoder_input_ids``), puts them into rows under a token budget for each side, and
-returns packfree's seq2seq input contract (README, "Input contract"):
+returns packfree's seq2seq input contract (docs/input-contract.md):
 
 - encoder rows: ``input_ids [B, Te]``, ``attention_mask [B, Te]`` (0 on padding) and ``position_ids [B, Te]``
   restarting at 0 in every sample;

@@ -13,7 +13,7 @@ the gate bypassed (what packfree itself does) and classifies the target:
 For every target that is not exact it also records whether the gate refuses it at load. Targets run in
 worker processes (``--jobs``) with a per-target time limit, so one hang cannot stall the sweep. It writes
 :data:`~.admission.VERIFIED_FILE` (keyed by transformers version: the exact classes and every result) and the
-support matrix :data:`MATRIX_FILE`, also spliced into the README between :data:`README_MARKERS`.
+support matrix :data:`MATRIX_FILE`, also spliced into :data:`SUPPORT_DOC` between :data:`MATRIX_MARKERS`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from .admission import VERIFIED_FILE
 __all__ = ["HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_matrix", "run_target", "targets"]
 
 MATRIX_FILE = Path(__file__).with_name("support_matrix.md")
-README_MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
+SUPPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md"
+"""The source checkout's support-matrix page (absent from an installed wheel: then only MATRIX_FILE is written)."""
+MATRIX_MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
 HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
                  "olmo2", "mixtral", "bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra",
                  "modernbert", "albert", "mpnet", "camembert")
@@ -283,16 +285,16 @@ def load_results(version: str) -> list[Result]:
 
 
 def documented_version() -> str | None:
-    """The newest transformers version with recorded results: the one the matrix and the README document."""
+    """The newest transformers version with recorded results: the one the matrix and its docs page document."""
     from packaging.version import Version
 
     versions = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
     return max(versions, key=Version, default=None)
 
 
-def write_outputs(version: str, results: Sequence[Result], readme: Path | None) -> None:
+def write_outputs(version: str, results: Sequence[Result], doc: Path | None) -> None:
     """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`; for the newest version recorded, also the
-    matrix file and the README section."""
+    matrix file and the section of ``doc`` between :data:`MATRIX_MARKERS`."""
     data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
     exact: dict[str, list[str]] = {}
     proved: dict[str, dict] = {}
@@ -308,12 +310,12 @@ def write_outputs(version: str, results: Sequence[Result], readme: Path | None) 
         return
     matrix = render_matrix(version, ordered)
     MATRIX_FILE.write_text(matrix)
-    if readme is not None and readme.exists():
-        text = readme.read_text()
-        start, end = README_MARKERS
+    if doc is not None and doc.exists():
+        text = doc.read_text()
+        start, end = MATRIX_MARKERS
         if start in text and end in text:
             head, rest = text.split(start, 1)
-            readme.write_text(head + start + "\n" + matrix + end + rest.split(end, 1)[1])
+            doc.write_text(head + start + "\n" + matrix + end + rest.split(end, 1)[1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -322,8 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per target (default 120)")
     parser.add_argument("--only", nargs="*", help="model types to re-run (merged into the recorded results)")
-    parser.add_argument("--readme", default=str(Path(__file__).resolve().parents[2] / "README.md"),
-                        help="README whose support-matrix section is replaced")
+    parser.add_argument("--doc", default=str(SUPPORT_DOC),
+                        help="Markdown page whose support-matrix section is replaced (default docs/support-matrix.md)")
     args = parser.parse_args(argv)
     if args.worker:
         _worker()
@@ -339,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.switches = recorded.get(r.config_type) if r.status == "exact" else None
         chosen = [t for t in chosen if t.model_type in args.only]
     results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
-    write_outputs(transformers.__version__, results, Path(args.readme))
+    write_outputs(transformers.__version__, results, Path(args.doc))
     counts = Counter((r.group, r.status) for r in results)
     print(json.dumps({f"{g}/{s}": n for (g, s), n in sorted(counts.items())}, indent=1))
     return 0

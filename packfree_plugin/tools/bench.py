@@ -15,7 +15,8 @@ __all__ = ["chart", "markdown", "run_bench", "training_rows"]
 
 
 def training_rows(quick: bool = False, *, model_type: str = "qwen3_next") -> list[dict[str, Any]]:
-    """End-to-end HF ``Trainer`` throughput on GSM8K: the demo's two runs (same model, samples, order)."""
+    """End-to-end HF ``Trainer`` throughput on GSM8K: the demo's four runs (same model, samples, order): stock
+    padded, packfree padded, its floor (token mixers skipped) and packfree packed."""
     import tempfile
 
     from .demo import DemoOptions, compare_training, summarize
@@ -27,10 +28,10 @@ def training_rows(quick: bool = False, *, model_type: str = "qwen3_next") -> lis
     config = result["config"]
     name = f"{config.model_type} {config.num_hidden_layers}L h{config.hidden_size}"
     rows = []
-    for key in ("padded", "packed"):
+    for key in ("padded", "packfree_padded", "floor", "packed"):
         run = result[key]
         rows.append({
-            "model": name, "run": f"{key} ({run.attn_implementation})", "steps": len(run.losses),
+            "model": name, "run": f"{run.label} ({run.attn_implementation})", "steps": len(run.losses),
             "samples": result["samples"], "real tokens": run.real_tokens, "tokens run": run.slot_tokens,
             "efficiency": run.efficiency, "train s": run.seconds, "tokens/s": run.tokens_per_second,
             "x padded": run.tokens_per_second / result["padded"].tokens_per_second,

@@ -7,13 +7,21 @@ Data flows top to bottom:
    demo fast; every sample keeps all its tokens).
 2. :func:`demo_config`: a Qwen3.5-like hybrid (three Gated DeltaNet layers to one attention layer), or any
    family of :mod:`packfree_plugin.tiny`.
-3. :func:`train`: the Hugging Face ``Trainer``, sequential sampler, ``batch_size`` samples per step. The
-   padded run uses stock ``sdpa`` and pads each step to its longest sample. The packed run uses
-   ``attn_implementation="packfree"`` and lays the *same* samples of each step out in rows of at most
-   ``max_tokens`` tokens (:class:`StepPacker`; by default one unpadded row per step). Same seed, same
-   initial weights, same optimizer: both runs see the same samples at every step, so their per-step
-   losses must agree.
-4. :func:`run_demo`: both runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
+3. :func:`train`: the Hugging Face ``Trainer``, sequential sampler, ``batch_size`` samples per step, four runs
+   from the same initial weights on the same samples at every step:
+
+   - *stock padded*: stock ``sdpa``, each step padded to its longest sample;
+   - *packfree padded*: the same padded batches under ``attn_implementation="packfree"`` (packfree's ops alone);
+   - *floor*: packfree padded with every token-mixing layer (attention, Gated DeltaNet, ...) skipped
+     (:func:`skip_token_mixers`): what the padded step costs if those layers cost nothing, the bound of the
+     first gain;
+   - *packfree packed*: the *same* samples of each step in rows of at most ``max_tokens`` tokens
+     (:class:`StepPacker`; by default one unpadded row per step).
+
+   The three runs that mix tokens must give the same per-step losses.
+4. :func:`decompose`: the speedup as its parts, stock padded -> packfree padded (bounded by the floor),
+   packfree padded -> packfree packed (bounded by the padding ceiling) and their product.
+5. :func:`run_demo`: the runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
    (packfree and stock), a Markdown report and a PNG plot.
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -31,7 +40,7 @@ from typing import Any
 import torch
 
 __all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
-           "demo_config", "run_demo", "tokenize_gsm8k", "train"]
+           "decompose", "demo_config", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train"]
 
 
 @dataclass
@@ -248,14 +257,47 @@ def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: i
 
 
 def compare_training(options: DemoOptions) -> dict[str, Any]:
-    """Tokenize, build one initial model, train it padded (stock sdpa) and packed (packfree). Returns a dict
-    with ``padded``/``packed`` :class:`RunResult`, the config and both trained models."""
+    """Tokenize, build one initial model, and train it four times (module docstring, step 3). Returns a dict with
+    the :class:`RunResult` of ``padded`` (stock), ``packfree_padded``, ``floor`` and ``packed``, the ``skipped``
+    layer paths, the config and the stock padded and packed trained models."""
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or default_threads())
     try:
         return _compare(options)
     finally:
         torch.set_num_threads(threads)
+
+
+def token_mixer_paths(config) -> list[str]:
+    """Module paths of every layer of ``config``'s causal LM that mixes tokens along the sequence (attention,
+    Gated DeltaNet, Mamba, convs, ...), as ``packfree doctor`` lists them."""
+    import tempfile
+
+    from .doctor import plan
+
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        return [layer.path for layer in plan(folder, device="cpu", dtype=torch.float32)]
+
+
+def skip_token_mixers(model, paths: Sequence[str]) -> None:
+    """Make each module at ``paths`` of ``model`` return its input ``hidden_states`` unchanged (in the structure its
+    own forward returns: a tensor, or a tuple whose other entries are ``None``), so that what is left of a step is
+    everything but those layers' own work."""
+    for path in paths:
+        module = model.get_submodule(path)
+        forward = module.forward
+        width: list[int | None] = []  # learned from one real call: None for a tensor, n for an n-tuple
+
+        def skipped(*args, forward=forward, width=width, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if not width:
+                with torch.no_grad():
+                    output = forward(*args, **kwargs)
+                width.append(len(output) if isinstance(output, tuple) else None)
+            return hidden if width[0] is None else (hidden, *([None] * (width[0] - 1)))
+
+        module.forward = skipped
 
 
 def _compare(options: DemoOptions) -> dict[str, Any]:
@@ -272,11 +314,19 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
     except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager
         padded_model = build_model(config, "eager", initial, options.seed)
     features = [{"input_ids": sample} for sample in samples]
-    padded = train(padded_model, features, PaddedCollator(), label="padded", **common)
+    padded = train(padded_model, features, PaddedCollator(), label="stock padded", **common)
+    packfree_padded_model = build_model(config, "packfree", initial, options.seed)
+    packfree_padded = train(packfree_padded_model, features, PaddedCollator(), label="packfree padded", **common)
+    floor_model = build_model(config, "packfree", initial, options.seed)
+    skipped = token_mixer_paths(config)
+    skip_token_mixers(floor_model, skipped)
+    floor = train(floor_model, features, PaddedCollator(), label="floor: packfree padded, token mixers skipped",
+                  **common)
     packed_model = build_model(config, "packfree", initial, options.seed)
-    packed = train(packed_model, features, StepPacker(options.max_tokens), label="packed", **common)
-    return {"padded": padded, "packed": packed, "config": config, "vocab": vocab, "samples": count,
-            "padded_model": padded_model, "packed_model": packed_model}
+    packed = train(packed_model, features, StepPacker(options.max_tokens), label="packfree packed", **common)
+    return {"padded": padded, "packfree_padded": packfree_padded, "floor": floor, "packed": packed,
+            "skipped": skipped, "config": config, "vocab": vocab, "samples": count, "padded_model": padded_model,
+            "packed_model": packed_model}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -293,7 +343,8 @@ def _audit_trained(packed_model, config) -> tuple[Any, Any]:
     return audit(mine), audit(stock)
 
 
-def _plot(path: Path, padded: RunResult, packed: RunResult) -> None:
+def _plot(path: Path, padded: RunResult, packed: RunResult, middle: Sequence[RunResult] = ()) -> None:
+    """Losses per step of ``padded`` and ``packed``; real tokens/s of ``padded``, each of ``middle``, ``packed``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,9 +358,10 @@ def _plot(path: Path, padded: RunResult, packed: RunResult) -> None:
     left.set_ylabel("training loss")
     left.set_title("Loss per step (same samples each step)")
     left.legend()
-    names = ["padded", "packed"]
-    values = [padded.tokens_per_second, packed.tokens_per_second]
-    bars = right.bar(names, values, color=["#999999", "#2a7ab9"])
+    runs = [padded, *middle, packed]
+    names = [run.label.split(":")[0].replace(" ", "\n", 1) for run in runs]
+    values = [run.tokens_per_second for run in runs]
+    bars = right.bar(names, values, color=["#999999", *["#9cc3e0"] * len(middle), "#2a7ab9"])
     right.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
     right.set_ylabel("real tokens / s")
     right.set_title(f"Training throughput: {packed.tokens_per_second / padded.tokens_per_second:.2f}x")
@@ -336,12 +388,51 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def throughput_table(padded: RunResult, packed: RunResult) -> list[str]:
-    """Markdown rows: tokens, padding, efficiency, time and throughput of both runs."""
+def decompose(result: Mapping[str, Any]) -> dict[str, float | bool]:
+    """The speedup of :func:`compare_training`'s four runs as its parts, each with its ceiling.
+
+    - ``ops``: stock padded -> packfree padded, the same batches; packfree's ops alone. Ceiling ``ops_ceiling``:
+      the floor run over stock, i.e. the speedup if packfree's token-mixing layers cost nothing.
+    - ``padding``: packfree padded -> packfree packed; padding removed. Ceiling ``padding_ceiling``: tokens run
+      padded over tokens run packed, the most that removing padding can give on work that scales with tokens.
+    - ``total``: stock padded -> packfree packed, the product of the two; ceiling the product of theirs.
+    """
+    stock, mine, floor, packed = (result[k].tokens_per_second for k in ("padded", "packfree_padded", "floor",
+                                                                          "packed"))
+    slots_padded, slots_packed = result["packfree_padded"].slot_tokens, result["packed"].slot_tokens
+    parts: dict[str, float | bool] = {"ops": mine / stock, "ops_ceiling": floor / stock, "padding": packed / mine,
+                                      "padding_ceiling": slots_padded / slots_packed}
+    parts.update(total=parts["ops"] * parts["padding"], total_ceiling=parts["ops_ceiling"] * parts["padding_ceiling"])
+    parts["within_ceilings"] = all(parts[k] <= parts[f"{k}_ceiling"] for k in ("ops", "padding", "total"))
+    return parts
+
+
+def decomposition_table(parts: Mapping[str, float | bool]) -> list[str]:
+    """Markdown rows: each part of the speedup, the runs it compares, its ceiling and what sets the ceiling."""
+    rows = [("packfree's ops", "stock padded -> packfree padded", "ops",
+             "the floor run over stock padded: the same padded step with every token-mixing layer skipped, what "
+             "packfree padded would reach if its layers cost nothing"),
+            ("padding removed", "packfree padded -> packfree packed", "padding",
+             "tokens run padded / packed: work that scales with the tokens run shrinks at most by this"),
+            ("both", "stock padded -> packfree packed", "total", "the product of the two ceilings")]
+    return ["| part | runs compared | speedup | ceiling | what sets the ceiling |", "|---|---|---:|---:|---|",
+            *(f"| {name} | {runs} | **{parts[key]:.2f}x** | {parts[f'{key}_ceiling']:.2f}x | {why} |"
+              for name, runs, key, why in rows)]
+
+
+def decomposition_line(parts: Mapping[str, float | bool]) -> str:
+    """One console line: each part against its ceiling, then the product."""
+    return (f"speedup {parts['total']:.2f}x (ceiling {parts['total_ceiling']:.2f}x) = packfree's ops "
+            f"{parts['ops']:.2f}x (ceiling {parts['ops_ceiling']:.2f}x: token mixers free) x padding removed "
+            f"{parts['padding']:.2f}x (ceiling {parts['padding_ceiling']:.2f}x: tokens run padded / packed)")
+
+
+def throughput_table(*runs: RunResult) -> list[str]:
+    """Markdown rows: tokens, padding, efficiency, time and throughput of each run."""
     return ["| run | attention | real tokens | tokens run (with padding) | packing efficiency | train s | "
             "real tokens/s after warm-up |", "|---|---|---:|---:|---:|---:|---:|",
             *(f"| {run.label} | {run.attn_implementation} | {run.real_tokens:,} | {run.slot_tokens:,} | "
-              f"{run.efficiency:.1%} | {run.seconds:.1f} | {run.tokens_per_second:,.0f} |" for run in (padded, packed))]
+              f"{run.efficiency:.1%} | {run.seconds:.1f} | {run.tokens_per_second:,.0f} |" for run in runs)]
 
 
 def loss_table(padded: RunResult, packed: RunResult) -> list[str]:
@@ -351,12 +442,20 @@ def loss_table(padded: RunResult, packed: RunResult) -> list[str]:
               for step, (a, b) in enumerate(zip(padded.losses, packed.losses), start=1))]
 
 
+def _max_diff(reference: Sequence[float], other: Sequence[float]) -> float:
+    return max((abs(a - b) for a, b in zip(reference, other)), default=math.nan)
+
+
 def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], audits: tuple[Any, Any]) -> Path:
     padded, packed = result["padded"], result["packed"]
     summary = summarize(result)
+    parts = decompose(result)
     config = result["config"]
     layer_types = getattr(config, "layer_types", None)
     mine, stock = audits
+    verdict = ("Each part is at or below its ceiling." if parts["within_ceilings"] else
+               "**A part is above its ceiling: in this run the timings do not support this decomposition** (a "
+               "ceiling's assumption failed, or the machine's load changed between runs); rerun on a quiet machine.")
     lines = [
         "# packfree demo: padded vs packed training on GSM8K",
         "",
@@ -364,25 +463,30 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         + (f" ({', '.join(layer_types)})" if layer_types else "")
         + f", vocabulary {result['vocab']} (MiniLM WordPiece ids used by the data), random init seed {options.seed}.",
         f"Data: the first {result['samples']} GSM8K samples ({options.data_file or 'embedded test split'}), "
-        f"{options.steps} steps of {options.batch_size} samples in the same order in both runs; packed rows of "
+        f"{options.steps} steps of {options.batch_size} samples in the same order in every run; packed rows of "
         f"at most {options.max_tokens} tokens. HF `Trainer`, AdamW lr {options.learning_rate}, constant schedule.",
+        "",
+        "## Speedup, in its parts",
+        "",
+        f"**{parts['total']:.2f}x** real tokens/s, packfree packed over stock padded, as the product of two gains "
+        f"measured in this run (same machine, same samples; each run's first {WARMUP_STEPS} steps are its warm-up and "
+        "left out). " + verdict,
+        "",
+        *decomposition_table(parts),
+        "",
+        f"The floor run skipped {len(result['skipped'])} token-mixing layers ({', '.join(result['skipped'])}); its "
+        "losses are not meant to agree.",
         "",
         "## Throughput",
         "",
-        *throughput_table(padded, packed),
-    ]
-    lines += [
-        "",
-        f"**Speedup: {summary['speedup']:.2f}x** real tokens/s, packfree over padded (same machine, same run; "
-        f"each run's first {WARMUP_STEPS} steps are its warm-up and left out). Padding ceiling: "
-        f"**{summary['padding_ceiling']:.2f}x**, the most that removing padding can give on work that scales with the "
-        "tokens run; a speedup above it is noise or warm-up.",
+        *throughput_table(padded, result["packfree_padded"], result["floor"], packed),
         "",
         "## Loss agreement",
         "",
-        f"Max |loss difference| over {len(padded.losses)} steps: **{summary['max_loss_diff']:.2e}** "
-        f"(relative {summary['max_rel_loss_diff']:.2e}); loss went {summary['first_loss']:.3f} -> "
-        f"{summary['last_loss']:.3f}.",
+        f"Max |loss difference| from stock padded over {len(padded.losses)} steps: packfree packed "
+        f"**{summary['max_loss_diff']:.2e}** (relative {summary['max_rel_loss_diff']:.2e}), packfree padded "
+        f"**{_max_diff(padded.losses, result['packfree_padded'].losses):.2e}**; loss went {summary['first_loss']:.3f} "
+        f"-> {summary['last_loss']:.3f}.",
         "",
         *loss_table(padded, packed),
     ]
@@ -406,11 +510,23 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
     path.write_text("\n".join(lines))
     (out / "demo.json").write_text(json.dumps({
         "options": asdict(options), "summary": summary,
-        "padded": {**asdict(padded), "tokens_per_second": padded.tokens_per_second},
-        "packed": {**asdict(packed), "tokens_per_second": packed.tokens_per_second},
+        "decomposition": parts, "skipped": result["skipped"],
+        **{key: {**asdict(result[key]), "tokens_per_second": result[key].tokens_per_second}
+           for key in ("padded", "packfree_padded", "floor", "packed")},
         "audit": {"packfree_leaks": [asdict(l) for l in mine.leaks], "stock_leaks": len(stock.leaks)},
     }, indent=2))
     return path
+
+
+def cli_hint() -> str:
+    """Where the ``packfree`` command of this Python lives and how to reach it (a nox session's environment is
+    not on the caller's ``PATH``)."""
+    scripts = Path(sys.executable).parent
+    command = scripts / "packfree"
+    if not command.exists():
+        return f"packfree CLI: not installed for {sys.executable}; run `{sys.executable} -m packfree_plugin` instead"
+    activate = scripts / "activate"
+    return f"packfree CLI: {command}" + (f" (put it on PATH: `source {activate}`)" if activate.exists() else "")
 
 
 def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -421,17 +537,18 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> di
     result = compare_training(options)
     echo("isolation audit of the trained model ...")
     audits = _audit_trained(result["packed_model"], result["config"])
-    _plot(out / "demo.png", result["padded"], result["packed"])
+    _plot(out / "demo.png", result["padded"], result["packed"], (result["packfree_padded"], result["floor"]))
     report = write_report(out, options, result, audits)
     summary = summarize(result)
-    summary.update(audit_ok=audits[0].ok, stock_leaks=len(audits[1].leaks), report=str(report),
+    parts = decompose(result)
+    summary.update(decomposition=parts, audit_ok=audits[0].ok, stock_leaks=len(audits[1].leaks), report=str(report),
                    plot=str(out / "demo.png"), total_seconds=time.perf_counter() - started)
-    echo(f"speedup {summary['speedup']:.2f}x (padding ceiling {summary['padding_ceiling']:.2f}x; "
-         f"{summary['padded_tokens_per_s']:,.0f} -> "
-         f"{summary['packed_tokens_per_s']:,.0f} real tokens/s); packing efficiency "
-         f"{summary['padded_efficiency']:.1%} padded -> {summary['packed_efficiency']:.1%} packed; "
+    echo(decomposition_line(parts) + ("" if parts["within_ceilings"] else " -- A PART IS ABOVE ITS CEILING: rerun"))
+    echo(f"{summary['padded_tokens_per_s']:,.0f} -> {summary['packed_tokens_per_s']:,.0f} real tokens/s; packing "
+         f"efficiency {summary['padded_efficiency']:.1%} padded -> {summary['packed_efficiency']:.1%} packed; "
          f"max loss diff {summary['max_loss_diff']:.2e}")
     echo(audits[0].summary())
     echo(audits[1].summary(limit=3))
     echo(f"report: {report}  plot: {out / 'demo.png'}  ({summary['total_seconds']:.0f} s)")
+    echo(cli_hint())
     return summary

@@ -76,20 +76,51 @@ def test_verify_from_a_saved_model_dir_as_a_subprocess(tmp_path) -> None:
     assert "no leak" in result.stdout
 
 
-def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path) -> None:
+def _tokens_per_second(run: dict) -> float:
+    """Real tokens per second over every step (a 2-step run has no step left after the demo's warm-up)."""
+    return sum(run["step_real_tokens"]) / sum(run["step_seconds"])
+
+
+def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) -> None:
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "2", "--out", str(out), "--no-progress"]) == 0
     report = (out / "report.md").read_text()
     assert "Speedup" in report and "Isolation audit" in report and "no leak" in report
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = json.loads((out / "demo.json").read_text())
-    assert len(summary["padded"]["losses"]) == len(summary["packed"]["losses"]) == 2
-    assert summary["summary"]["max_rel_loss_diff"] < 1e-5
-    assert summary["packed"]["real_tokens"] == summary["padded"]["real_tokens"]
-    assert summary["summary"]["packed_efficiency"] > summary["summary"]["padded_efficiency"]
-    ceiling = summary["padded"]["slot_tokens"] / summary["packed"]["slot_tokens"]
-    assert summary["summary"]["padding_ceiling"] == pytest.approx(ceiling) and ceiling > 1
-    assert f"Padding ceiling: **{ceiling:.2f}x**" in report
+    recorded = json.loads((out / "demo.json").read_text())
+    stock, mine, floor, packed = (recorded[k] for k in ("padded", "packfree_padded", "floor", "packed"))
+    assert all(len(run["losses"]) == 2 for run in (stock, mine, floor, packed))
+    assert stock["attn_implementation"] == "sdpa" and mine["attn_implementation"] == "packfree"
+    # packfree on stock's padded batches, and packed, train like stock; the floor skipped its token mixers
+    for run in (mine, packed):
+        assert max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], run["losses"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(stock["losses"], floor["losses"])) > 1e-3
+    assert recorded["skipped"] == ["model.layers.0.linear_attn", "model.layers.1.linear_attn",
+                                   "model.layers.2.linear_attn", "model.layers.3.self_attn"]
+    assert stock["real_tokens"] == mine["real_tokens"] == floor["real_tokens"] == packed["real_tokens"]
+    assert stock["slot_tokens"] == mine["slot_tokens"] == floor["slot_tokens"] > packed["slot_tokens"]
+    assert recorded["summary"]["packed_efficiency"] > recorded["summary"]["padded_efficiency"]
+
+    # each part from the runs' own step times and token counts, its ceiling from the run it is bounded by
+    parts = recorded["decomposition"]
+    expected = {"ops": _tokens_per_second(mine) / _tokens_per_second(stock),
+                "ops_ceiling": _tokens_per_second(floor) / _tokens_per_second(stock),
+                "padding": _tokens_per_second(packed) / _tokens_per_second(mine),
+                "padding_ceiling": mine["slot_tokens"] / packed["slot_tokens"],
+                "total": _tokens_per_second(packed) / _tokens_per_second(stock)}
+    expected["total_ceiling"] = expected["ops_ceiling"] * expected["padding_ceiling"]
+    for key, value in expected.items():
+        assert parts[key] == pytest.approx(value, rel=1e-9), key
+    assert parts["within_ceilings"] == all(expected[k] <= expected[f"{k}_ceiling"] for k in ("ops", "padding", "total"))
+
+    rows = {"packfree's ops": "ops", "padding removed": "padding", "both": "total"}
+    for name, key in rows.items():
+        assert f"| {name} |" in report and f"**{expected[key]:.2f}x** | {expected[key + '_ceiling']:.2f}x |" in report
+    console = capsys.readouterr().out
+    assert (f"speedup {expected['total']:.2f}x (ceiling {expected['total_ceiling']:.2f}x) = packfree's ops "
+            f"{expected['ops']:.2f}x (ceiling {expected['ops_ceiling']:.2f}x") in console
+    assert f"padding removed {expected['padding']:.2f}x (ceiling {expected['padding_ceiling']:.2f}x" in console
+    assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
 
 
 def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path) -> None:

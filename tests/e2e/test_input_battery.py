@@ -1,4 +1,4 @@
-"""A property battery over the input contract (README, "Input contract"): random mixes of boundary sources,
+"""A property battery over the input contract (docs/input-contract.md): random mixes of boundary sources,
 mask forms, cache states, labels, dtypes (float64, float32) and non-finite values (NaN or inf in one sample's input
 embeddings) on one attention model and one hybrid per mixer family. The oracle: every clean sample's logits equal stock on that
 sample alone (a poisoned sample is not finite), or the call is refused with one of the documented errors.

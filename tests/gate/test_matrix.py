@@ -1,4 +1,4 @@
-"""The committed sweep results (``gate/verified.json``, the support matrix, the README section) must match the
+"""The committed sweep results (``gate/verified.json``, the support matrix, its docs page) must match the
 installed transformers: the same targets, and a sample of them re-proved gives the recorded class."""
 
 from __future__ import annotations
@@ -6,15 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import pytest
 import transformers
 
 from packfree_plugin.gate.admission import VERIFIED_FILE, switches, verified_classes
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.gate.sweep import (MATRIX_FILE, README_MARKERS, Target, documented_version, load_results,
-                                        render_matrix, run_target, targets)
+from packfree_plugin.gate.sweep import (MATRIX_FILE, MATRIX_MARKERS, SUPPORT_DOC, Target, documented_version,
+                                        load_results, render_matrix, run_target, targets)
 
 VERSION = transformers.__version__
 REGENERATE = "stale: regenerate with `python -m packfree_plugin.gate.sweep` (nox -s sweep)"
@@ -66,14 +65,14 @@ def test_every_recorded_non_exact_target_is_refused_by_the_gate() -> None:
     assert admitted == []
 
 
-def test_the_matrix_file_and_the_readme_section_are_generated_from_the_results() -> None:
+def test_the_matrix_file_and_the_docs_page_section_are_generated_from_the_results() -> None:
     """They document the newest transformers swept (also when the suite runs on an older supported one)."""
     documented = documented_version()
     matrix = render_matrix(documented, sorted(load_results(documented), key=lambda r: (r.group, r.model_type, r.cls)))
     assert MATRIX_FILE.read_text() == matrix, REGENERATE
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start, end = README_MARKERS
-    assert readme.split(start, 1)[1].split(end, 1)[0] == "\n" + matrix, REGENERATE
+    page = SUPPORT_DOC.read_text()
+    start, end = MATRIX_MARKERS
+    assert page.split(start, 1)[1].split(end, 1)[0] == "\n" + matrix, REGENERATE
 
 
 @pytest.mark.parametrize("recorded", _sample([r for r in load_results(VERSION) if r.status == "exact"],
