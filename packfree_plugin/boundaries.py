@@ -253,10 +253,11 @@ class Boundaries:
         rule runs over each row's kept tokens, so a sample's ids may skip over padding: a kept token right after
         padding whose id continues the kept token before it (transformers' ``(cumsum(mask) - 1) * mask`` ids)
         would be one sample with a hole in it, which packfree cannot run exactly, and raises."""
-        _require_integer("position_ids", position_ids)
+        if not position_ids.is_floating_point():  # float ids are read by the same rule, as stock reads them
+            _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
-        host = position_ids.to("cpu", torch.long)  # integer: never part of an autograd graph
+        host = position_ids.detach().to("cpu", torch.float64 if position_ids.is_floating_point() else torch.long)
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
         if host.ndim not in (2, 3):

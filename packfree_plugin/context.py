@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
+from .unpacked import has_holes, reads_as_one_sample_per_row
 
 __all__ = [
     "DECODER_POSITION_IDS",
@@ -259,6 +260,10 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
                 "already keep samples apart) or pass the [B, T] padding mask"
             )
         return None  # an unpacked call with a prepared mask of the caller's own: transformers uses it as is
+    if reads_as_one_sample_per_row(arguments):
+        if has_holes(attention_mask):
+            return None  # one sample per row with zeros inside it: stock's own mask, in attention and every mixer
+        arguments = {**arguments, "position_ids": None}  # ids that never restart only number positions, as in stock
     boundaries = Boundaries.from_model_inputs(
         batch_size=batch_size,
         seq_len=seq_len,
