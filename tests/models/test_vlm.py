@@ -151,6 +151,47 @@ def test_flat_position_ids_with_images_on_mrope_are_refused(model_type: str) -> 
         model(**inputs, position_ids=flat)
 
 
+def _vision_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """``mm_encoder_outputs`` as a caller precomputes them: the vision tower's outputs for the batch's images."""
+    with torch.no_grad():
+        return {"image": model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])}
+
+
+@pytest.mark.parametrize("signal", ["mm_encoder_outputs", "mm_encoder_outputs_only", "image_grid_thw",
+                                    "placeholder_tokens"])
+@pytest.mark.parametrize("model_type", MROPE)
+def test_flat_position_ids_with_any_image_signal_on_mrope_are_refused(model_type: str, signal: str) -> None:
+    """Precomputed vision outputs (``mm_encoder_outputs``) with 2-D ids were silently wrong:
+    the refusal keyed on pixel values only (0.44-0.76 off on these tiny models). Any sign of images refuses: vision outputs (with or without their
+    grids), a grid alone, or image placeholder tokens in ``input_ids``."""
+    case = CASES[model_type]
+    model, _ = _pair(model_type)
+    batch = VisionPackedCollator(model)(_samples(case)[:2])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"][0]}
+    if signal.startswith("mm_encoder_outputs"):
+        inputs["mm_encoder_outputs"] = _vision_outputs(model, batch)
+    if signal in ("mm_encoder_outputs", "image_grid_thw"):
+        inputs["image_grid_thw"] = batch["image_grid_thw"]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"2-D position_ids together with images"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("model_type", MROPE)
+def test_precomputed_vision_outputs_with_mrope_ids_equal_each_sample_alone(model_type: str) -> None:
+    """The form that works: ``mm_encoder_outputs`` with each sample's own ``[3, B, T]`` ids gives every sample
+    its logits alone (so the refusal above refuses only the 2-D ids)."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _samples(case)
+    batch = VisionPackedCollator(model)(samples)
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "pixel_values")}
+    with torch.no_grad():
+        packed = model(**inputs, mm_encoder_outputs=_vision_outputs(model, batch)).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with mm_encoder_outputs")
+
+
 @pytest.mark.parametrize("boundary", ["cu_seq_lens", "seq_idx"])
 @pytest.mark.parametrize("model_type", MROPE)
 def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type: str, boundary: str) -> None:
