@@ -161,9 +161,9 @@ def _vision_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
                                     "placeholder_tokens"])
 @pytest.mark.parametrize("model_type", MROPE)
 def test_flat_position_ids_with_any_image_signal_on_mrope_are_refused(model_type: str, signal: str) -> None:
-    """Precomputed vision outputs (``mm_encoder_outputs``) with 2-D ids were silently wrong:
-    the refusal keyed on pixel values only (0.44-0.76 off on these tiny models). Any sign of images refuses: vision outputs (with or without their
-    grids), a grid alone, or image placeholder tokens in ``input_ids``."""
+    """Precomputed vision outputs (``mm_encoder_outputs``) with 2-D ids were silently wrong (0.44-0.76 off on these
+    tiny models): the refusal keyed on pixel values only. Any sign of images refuses: vision outputs (with or without
+    their grids), a grid alone, or image placeholder tokens in ``input_ids``."""
     case = CASES[model_type]
     model, _ = _pair(model_type)
     batch = VisionPackedCollator(model)(_samples(case)[:2])
