@@ -136,6 +136,22 @@ class Boundaries:
         graph does not specialise on one row length."""
         return tuple(self._rows.shape[:2]) == (batch_size, seq_len)
 
+    def __getitem__(self, index: Any) -> Boundaries:
+        """Model code that indexes the mask it is handed as ``[B, 1, Tq, Tk]`` (Gemma 4's KV-shared layers keep the last
+        ``logits_to_keep`` queries: ``mask[:, :, slice(-keep, None), :]``) gets these boundaries back when the index
+        keeps every token (``slice(0, None)``, as in training). A real cut of a packed row raises: its queries would
+        leave the samples the boundaries describe. (Unpacked batches of such models get stock's mask tensors:
+        :func:`packfree_plugin.unpacked.slices_its_mask`.)"""
+        parts = index if isinstance(index, tuple) else (index,)
+        if all(part is Ellipsis or (isinstance(part, slice) and part.start in (None, 0) and part.stop is None
+                                    and part.step in (None, 1)) for part in parts):
+            return self
+        raise ValueError(
+            f"the model cuts packfree's attention mask (the packed boundaries) with [{', '.join(map(repr, parts))}] (e.g. Gemma 4's "
+            "KV-shared layers with logits_to_keep > 0), which would take queries out of their packed samples. Call a "
+            "packed row with logits_to_keep=0 (the default), or pass one sample per row"
+        )
+
     @property
     def num_segments(self) -> int:
         """``N``: samples and padding spans."""

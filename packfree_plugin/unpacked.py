@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["has_holes", "ids_restart", "reads_as_one_sample_per_row"]
+__all__ = ["MASK_SLICING_MODELS", "has_holes", "ids_restart", "reads_as_one_sample_per_row", "slices_its_mask"]
 
 _BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
@@ -70,3 +70,20 @@ def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
         return False
     position_ids = arguments.get("position_ids")
     return not isinstance(position_ids, torch.Tensor) or not ids_restart(position_ids, mask)
+
+
+MASK_SLICING_MODELS: dict[str, str] = {
+    "gemma4_text": "num_kv_shared_layers",  # mask[:, :, slice(-logits_to_keep, None), :] before its KV-shared layers
+    "gemma4_unified_text": "num_kv_shared_layers",
+}
+"""Model type -> the config switch under which the model's own code indexes the masks it builds, as found by a sweep
+of transformers' modeling files (subscripts of ``create_*_mask`` results and of their mappings' values) and confirmed
+by running each (the sweep's other finds, VisualBERT under ``bypass_transformer`` and Longformer, are refused at
+load for their attention). An unpacked batch of these gets stock's mask tensors; on a packed row the boundaries are
+indexed (:meth:`~packfree_plugin.boundaries.Boundaries.__getitem__`: exact where nothing is cut, refused otherwise)."""
+
+
+def slices_its_mask(config: Any) -> bool:
+    """Whether the model of ``config`` (a text config, as mask functions receive it) indexes its masks."""
+    switch = MASK_SLICING_MODELS.get(getattr(config, "model_type", None))
+    return switch is not None and bool(getattr(config, switch, False))
