@@ -212,6 +212,60 @@ def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type:
         model(**inputs)
 
 
+SHARED_PLACEHOLDER = {"glm4v"}
+"""Models whose videos and images share one placeholder token, so one call takes images or videos, not both (stock's
+own limit: the model scatters image features over every placeholder)."""
+
+
+def _video_samples(case: VLMCase) -> list[dict[str, torch.Tensor]]:
+    """Videos of 2, 1 and 3 temporal patches (4, 2, 6 frames) and of different frame sizes, two in one sample, mixed
+    with an image sample (and a sample with an image and videos) where the model takes both, and a text-only one."""
+    with_images = case.model_type not in SHARED_PLACEHOLDER
+    return [case.video_sample([5, 6], [(2, 2, 2)], [7, 8], seed=1),
+            *([case.sample([10], [case.sizes[-1]], [11, 12], seed=2)] if with_images else []),
+            case.video_sample([9], [(1, 2, 4), (3, 2, 2)], [13], seed=3,
+                              image_sizes=(case.sizes[0],) if with_images else ()),
+            case.sample([13, 14, 15, 16], [], [], seed=4)]
+
+
+@pytest.mark.parametrize("model_type", MROPE)
+def test_packed_row_with_videos_equals_each_sample_alone(model_type: str) -> None:
+    """Packed rows with videos (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``; each
+    sample's own ``get_rope_index``, from the collator): every sample's logits equal that sample alone on stock, on
+    one row and on two padded rows; each sample unpacked equals stock too."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _video_samples(case)
+    with torch.no_grad():
+        alone = [stock(**sample).logits[0] for sample in samples]
+        for index, sample in enumerate(samples):
+            assert_close(model(**sample).logits[0], alone[index], atol=EXACT, rtol=0, what=f"{model_type} {index}")
+        one_row = VisionPackedCollator(model)(samples)
+        assert one_row["position_ids"].shape[0] == 3 and "pixel_values_videos" in one_row
+        packed = model(**{key: value for key, value in one_row.items() if key != "labels"}).logits[0]
+        assert_close(packed, torch.cat(alone), atol=EXACT, rtol=0, what=f"{model_type} one packed row")
+        longest = max(sample["input_ids"].shape[1] for sample in samples)
+        collator = VisionPackedCollator(model, rows_per_batch=2, max_tokens=sum(
+            sample["input_ids"].shape[1] for sample in samples) - longest + 1)
+        two_rows = collator(samples)
+        logits = model(**{key: value for key, value in two_rows.items() if key != "labels"}).logits
+        for index, (row, start, length) in enumerate(_placements(two_rows["input_ids"], samples)):
+            assert_close(logits[row, start:start + length], alone[index], atol=EXACT, rtol=0,
+                         what=f"{model_type} two rows, sample {index}")
+
+
+def _placements(rows: torch.Tensor, samples: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, int]]:
+    """``(row, start, length)`` of each sample in packed ``rows [B, T]``, found by its tokens (each sample differs)."""
+    found = []
+    for sample in samples:
+        ids = sample["input_ids"][0]
+        spots = [(row, start) for row in range(rows.shape[0]) for start in range(rows.shape[1] - len(ids) + 1)
+                 if torch.equal(rows[row, start:start + len(ids)], ids)]
+        assert len(spots) == 1, f"sample of {len(ids)} tokens placed {len(spots)} times"
+        found.append((*spots[0], len(ids)))
+    return found
+
+
 @pytest.mark.parametrize(("model_type", "rope"), [
     ("qwen2_vl", {"mrope_section": [16, 24, 24]}),
     ("qwen2_5_vl", {"mrope_section": [16, 24, 24]}),
