@@ -147,9 +147,9 @@ class Boundaries:
                                     and part.step in (None, 1)) for part in parts):
             return self
         raise ValueError(
-            f"the model cuts packfree's attention mask (the packed boundaries) with [{', '.join(map(repr, parts))}] (e.g. Gemma 4's "
-            "KV-shared layers with logits_to_keep > 0), which would take queries out of their packed samples. Call a "
-            "packed row with logits_to_keep=0 (the default), or pass one sample per row"
+            f"the model cuts packfree's attention mask (the packed boundaries) with [{', '.join(map(repr, parts))}] "
+            "(e.g. Gemma 4's KV-shared layers with logits_to_keep > 0), which would take queries out of their packed "
+            "samples. Call a packed row with logits_to_keep=0 (the default), or pass one sample per row"
         )
 
     @property

@@ -113,7 +113,8 @@ def test_collated_video_rows_train_like_each_sample_alone(model_type: str, rows:
     mixed = model_type != "glm4v"  # GLM-4V's images and videos share a placeholder: one call takes one kind
     samples = [case.video_sample([5, 6], [(2, 2, 2)], [7, 8], seed=1),
                *([case.sample([10], [case.sizes[-1]], [11, 12], seed=2)] if mixed else []),
-               case.video_sample([9], [(1, 2, 4), (3, 2, 2)], [13], seed=3, image_sizes=(case.sizes[0],) if mixed else ()),
+               case.video_sample([9], [(1, 2, 4), (3, 2, 2)], [13], seed=3,
+                                 image_sizes=(case.sizes[0],) if mixed else ()),
                case.sample([13, 14, 15, 16, 17], [], [], seed=4)]
     samples = [{**sample, "labels": sample["input_ids"].masked_fill(sample["mm_token_type_ids"] > 0, -100)}
                for sample in samples]
