@@ -136,6 +136,22 @@ class Boundaries:
         graph does not specialise on one row length."""
         return tuple(self._rows.shape[:2]) == (batch_size, seq_len)
 
+    def __getitem__(self, index: Any) -> Boundaries:
+        """Model code that indexes the mask it is handed as ``[B, 1, Tq, Tk]`` (Gemma 4's KV-shared layers keep the last
+        ``logits_to_keep`` queries: ``mask[:, :, slice(-keep, None), :]``) gets these boundaries back when the index
+        keeps every token (``slice(0, None)``, as in training). A real cut of a packed row raises: its queries would
+        leave the samples the boundaries describe. (Unpacked batches of such models get stock's mask tensors:
+        :func:`packfree_plugin.unpacked.slices_its_mask`.)"""
+        parts = index if isinstance(index, tuple) else (index,)
+        if all(part is Ellipsis or (isinstance(part, slice) and part.start in (None, 0) and part.stop is None
+                                    and part.step in (None, 1)) for part in parts):
+            return self
+        raise ValueError(
+            f"the model cuts packfree's attention mask (the packed boundaries) with [{', '.join(map(repr, parts))}] "
+            "(e.g. Gemma 4's KV-shared layers with logits_to_keep > 0), which would take queries out of their packed "
+            "samples. Call a packed row with logits_to_keep=0 (the default), or pass one sample per row"
+        )
+
     @property
     def num_segments(self) -> int:
         """``N``: samples and padding spans."""
@@ -253,10 +269,11 @@ class Boundaries:
         rule runs over each row's kept tokens, so a sample's ids may skip over padding: a kept token right after
         padding whose id continues the kept token before it (transformers' ``(cumsum(mask) - 1) * mask`` ids)
         would be one sample with a hole in it, which packfree cannot run exactly, and raises."""
-        _require_integer("position_ids", position_ids)
+        if not position_ids.is_floating_point():  # float ids are read by the same rule, as stock reads them
+            _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
-        host = position_ids.to("cpu", torch.long)  # integer: never part of an autograd graph
+        host = position_ids.detach().to("cpu", torch.float64 if position_ids.is_floating_point() else torch.long)
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
         if host.ndim not in (2, 3):

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
+from .unpacked import has_holes, reads_as_one_sample_per_row
 
 __all__ = [
     "DECODER_POSITION_IDS",
@@ -259,6 +260,10 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
                 "already keep samples apart) or pass the [B, T] padding mask"
             )
         return None  # an unpacked call with a prepared mask of the caller's own: transformers uses it as is
+    if reads_as_one_sample_per_row(arguments):
+        if has_holes(attention_mask):
+            return None  # one sample per row with zeros inside it: stock's own mask, in attention and every mixer
+        arguments = {**arguments, "position_ids": None}  # ids that never restart only number positions, as in stock
     boundaries = Boundaries.from_model_inputs(
         batch_size=batch_size,
         seq_len=seq_len,
@@ -477,7 +482,28 @@ def _paired_decoder(outer: Boundaries | None, arguments: dict[str, Any], kwargs:
     return pairing.decoder
 
 
-_VISUAL_INPUTS = ("pixel_values", "pixel_values_videos")
+_VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs")
+"""Arguments that say a call carries images or videos (precomputed vision outputs included)."""
+_VISUAL_TOKEN_IDS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+
+
+def _carries_images(config: Any, arguments: dict[str, Any]) -> bool:
+    """Whether a call has images or videos: a visual input (:data:`_VISUAL_INPUTS`; an empty ``mm_encoder_outputs``
+    dict carries none), nonzero ``mm_token_type_ids``, or the config's image/video placeholder tokens in
+    ``input_ids``."""
+    for name in _VISUAL_INPUTS:
+        value = arguments.get(name)
+        if value is not None and not (isinstance(value, dict) and not any(v is not None for v in value.values())):
+            return True
+    token_types = arguments.get("mm_token_type_ids")
+    if isinstance(token_types, torch.Tensor) and bool(token_types.any()):
+        return True
+    tokens = arguments.get("input_ids")
+    if not isinstance(tokens, torch.Tensor):
+        return False
+    placeholders = [getattr(config, name, None) for name in _VISUAL_TOKEN_IDS]
+    placeholders = [token for token in placeholders if isinstance(token, int)]
+    return bool(placeholders) and bool(torch.isin(tokens, torch.tensor(placeholders, device=tokens.device)).any())
 
 
 def _uses_mrope(config: Any) -> bool:
@@ -495,7 +521,8 @@ def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     (transformers fails deep inside); on an MRoPE model with images, 2-D ids (the model would copy them into its
     three planes, and image tokens would lose their (t, h, w) positions in every sample, the first too), and
     packed rows (``cu_seq_lens`` / ``seq_idx``) without ids (packfree would number each sample 0, 1, ... on every
-    plane)."""
+    plane). Images are present when any of :func:`_carries_images`'s signals says so: pixel values, grids,
+    precomputed vision outputs, or placeholder tokens."""
     position_ids = arguments.get("position_ids")
     config = getattr(module, "config", None)
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not _uses_mrope(config):
@@ -503,7 +530,7 @@ def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
             f"{type(module).__name__} got position_ids of shape {list(position_ids.shape)}: [R, B, T] ids are for "
             "multimodal RoPE, which this model does not use. Pass [B, T] ids"
         )
-    if not any(arguments.get(name) is not None for name in _VISUAL_INPUTS) or not _uses_mrope(config):
+    if not _uses_mrope(config) or not _carries_images(config, arguments):
         return
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2:
         given = "2-D position_ids"

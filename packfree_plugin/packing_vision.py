@@ -6,15 +6,19 @@ rows the model reads as separate samples:
 
 - text fields as :class:`~packfree_plugin.packing.PackedCollator` lays them out (same rows, same order: samples go
   to rows by :func:`~packfree_plugin.packing.pack_best_fit_decreasing`), labels -100 at every sample's first token;
-- every image tensor concatenated in sample order, row after row, which is the order in which the model fills its
-  image placeholders (Idefics3/SmolVLM keep a row dimension: ``[B, images, ...]``, rows padded with all-zero
+- every image and video tensor (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ...)
+  concatenated in sample order, row after row, which is the order in which the model fills its image and video
+  placeholders (Idefics3/SmolVLM keep a row dimension: ``[B, images, ...]``, rows padded with all-zero
   images, which those models drop, as their processors do);
-- positions: on a multimodal-RoPE model (Qwen2/2.5/3-VL, GLM-4V) each sample's own ``get_rope_index``,
-  concatenated along T (``[3, B, T]``), so image tokens keep their (t, h, w) positions; otherwise ``[B, T]`` ids
-  restarting at 0 in every sample. Either way packfree reads the boundaries from them (a padding span is a
-  segment of its own, and ``attention_mask`` marks it);
+- positions: on a multimodal-RoPE model (Qwen2/2.5/3-VL, GLM-4V) each sample's own ``get_rope_index`` (given its
+  image and video grids), concatenated along T (``[3, B, T]``), so image and video tokens keep their (t, h, w)
+  positions; otherwise ``[B, T]`` ids restarting at 0 in every sample. Either way packfree reads the boundaries
+  from them (a padding span is a segment of its own, and ``attention_mask`` marks it);
 - ``attention_mask`` ``[B, T]`` always, ones where no row is padded: with none, transformers renumbers a packed
   row's positions per sample under a model's own mask overlay (Gemma3's image blocks), which packfree refuses.
+
+GLM-4V writes one placeholder for image and video tokens alike, so one call of it takes images or videos, not both
+(stock's own limit): collate its image samples and its video samples into different batches.
 """
 
 from __future__ import annotations

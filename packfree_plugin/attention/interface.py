@@ -27,6 +27,7 @@ from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import current, in_prepared_forward
 from ..opaque import boundary_function
+from ..unpacked import slices_its_mask
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
 from .varlen import VARLEN_BACKENDS
@@ -394,7 +395,8 @@ def packfree_attention_mask(
     if pairing is not None:
         return pairing
     if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
-            and _marks_their_padding(boundaries, attention_mask):
+            and _marks_their_padding(boundaries, attention_mask) \
+            and (boundaries.is_packed or not slices_its_mask(kwargs.get("config"))):
         compiling = torch.compiler.is_compiling()
         if not (use_vmap or _widens(mask_function, look_inside=not compiling)):
             if mask_function is not None and not compiling:
@@ -440,6 +442,10 @@ def packfree_attention_mask(
             )
             setattr(mask, _PER_SAMPLE_MASK, True)
             return mask
+    if slices_its_mask(kwargs.get("config")):
+        # a tensor for the model to cut even where stock sdpa would skip it as causal (a cut mask is no longer causal
+        # from the top left: stock leaves its cut out when a mask is None, packfree's implementation name does not)
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs,

@@ -218,16 +218,6 @@ def test_right_padded_batch_with_running_position_ids_equals_stock(model_type: s
     assert_close(mine[1], theirs[1], atol=1e-9, rtol=0, what="row 1")
 
 
-def test_padding_inside_a_sample_is_refused_never_split() -> None:
-    """transformers' own padding-free tests build ``position_ids = (cumsum(mask) - 1) * mask``: a hole inside a
-    sample, which packfree refuses rather than splitting the sample in two."""
-    model, _ = pair("llama")
-    mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
-    positions = (mask.cumsum(-1) - 1) * mask
-    with torch.no_grad(), pytest.raises(ValueError, match="padding inside a sample"):
-        model(input_ids=torch.randint(3, 128, (1, 6)), attention_mask=mask, position_ids=positions)
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
 def test_a_prepared_mask_with_a_packed_row_is_refused(model_type: str) -> None:
     """A 4-D mask (even a correct block-diagonal one) beside packed ids used to drop the boundaries, so the

@@ -151,6 +151,47 @@ def test_flat_position_ids_with_images_on_mrope_are_refused(model_type: str) -> 
         model(**inputs, position_ids=flat)
 
 
+def _vision_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """``mm_encoder_outputs`` as a caller precomputes them: the vision tower's outputs for the batch's images."""
+    with torch.no_grad():
+        return {"image": model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])}
+
+
+@pytest.mark.parametrize("signal", ["mm_encoder_outputs", "mm_encoder_outputs_only", "image_grid_thw",
+                                    "placeholder_tokens"])
+@pytest.mark.parametrize("model_type", MROPE)
+def test_flat_position_ids_with_any_image_signal_on_mrope_are_refused(model_type: str, signal: str) -> None:
+    """Precomputed vision outputs (``mm_encoder_outputs``) with 2-D ids were silently wrong (0.44-0.76 off on these
+    tiny models): the refusal keyed on pixel values only. Any sign of images refuses: vision outputs (with or without
+    their grids), a grid alone, or image placeholder tokens in ``input_ids``."""
+    case = CASES[model_type]
+    model, _ = _pair(model_type)
+    batch = VisionPackedCollator(model)(_samples(case)[:2])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"][0]}
+    if signal.startswith("mm_encoder_outputs"):
+        inputs["mm_encoder_outputs"] = _vision_outputs(model, batch)
+    if signal in ("mm_encoder_outputs", "image_grid_thw"):
+        inputs["image_grid_thw"] = batch["image_grid_thw"]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"2-D position_ids together with images"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("model_type", MROPE)
+def test_precomputed_vision_outputs_with_mrope_ids_equal_each_sample_alone(model_type: str) -> None:
+    """The form that works: ``mm_encoder_outputs`` with each sample's own ``[3, B, T]`` ids gives every sample
+    its logits alone (so the refusal above refuses only the 2-D ids)."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _samples(case)
+    batch = VisionPackedCollator(model)(samples)
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "pixel_values")}
+    with torch.no_grad():
+        packed = model(**inputs, mm_encoder_outputs=_vision_outputs(model, batch)).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with mm_encoder_outputs")
+
+
 @pytest.mark.parametrize("boundary", ["cu_seq_lens", "seq_idx"])
 @pytest.mark.parametrize("model_type", MROPE)
 def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type: str, boundary: str) -> None:
@@ -169,6 +210,60 @@ def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type:
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=total, max_length_k=total)
     with torch.no_grad(), pytest.raises(ValueError, match=r"packed batch .* without position_ids together with images"):
         model(**inputs)
+
+
+SHARED_PLACEHOLDER = {"glm4v"}
+"""Models whose videos and images share one placeholder token, so one call takes images or videos, not both (stock's
+own limit: the model scatters image features over every placeholder)."""
+
+
+def _video_samples(case: VLMCase) -> list[dict[str, torch.Tensor]]:
+    """Videos of 2, 1 and 3 temporal patches (4, 2, 6 frames) and of different frame sizes, two in one sample, mixed
+    with an image sample (and a sample with an image and videos) where the model takes both, and a text-only one."""
+    with_images = case.model_type not in SHARED_PLACEHOLDER
+    return [case.video_sample([5, 6], [(2, 2, 2)], [7, 8], seed=1),
+            *([case.sample([10], [case.sizes[-1]], [11, 12], seed=2)] if with_images else []),
+            case.video_sample([9], [(1, 2, 4), (3, 2, 2)], [13], seed=3,
+                              image_sizes=(case.sizes[0],) if with_images else ()),
+            case.sample([13, 14, 15, 16], [], [], seed=4)]
+
+
+@pytest.mark.parametrize("model_type", MROPE)
+def test_packed_row_with_videos_equals_each_sample_alone(model_type: str) -> None:
+    """Packed rows with videos (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``; each
+    sample's own ``get_rope_index``, from the collator): every sample's logits equal that sample alone on stock, on
+    one row and on two padded rows; each sample unpacked equals stock too."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    samples = _video_samples(case)
+    with torch.no_grad():
+        alone = [stock(**sample).logits[0] for sample in samples]
+        for index, sample in enumerate(samples):
+            assert_close(model(**sample).logits[0], alone[index], atol=EXACT, rtol=0, what=f"{model_type} {index}")
+        one_row = VisionPackedCollator(model)(samples)
+        assert one_row["position_ids"].shape[0] == 3 and "pixel_values_videos" in one_row
+        packed = model(**{key: value for key, value in one_row.items() if key != "labels"}).logits[0]
+        assert_close(packed, torch.cat(alone), atol=EXACT, rtol=0, what=f"{model_type} one packed row")
+        longest = max(sample["input_ids"].shape[1] for sample in samples)
+        collator = VisionPackedCollator(model, rows_per_batch=2, max_tokens=sum(
+            sample["input_ids"].shape[1] for sample in samples) - longest + 1)
+        two_rows = collator(samples)
+        logits = model(**{key: value for key, value in two_rows.items() if key != "labels"}).logits
+        for index, (row, start, length) in enumerate(_placements(two_rows["input_ids"], samples)):
+            assert_close(logits[row, start:start + length], alone[index], atol=EXACT, rtol=0,
+                         what=f"{model_type} two rows, sample {index}")
+
+
+def _placements(rows: torch.Tensor, samples: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, int]]:
+    """``(row, start, length)`` of each sample in packed ``rows [B, T]``, found by its tokens (each sample differs)."""
+    found = []
+    for sample in samples:
+        ids = sample["input_ids"][0]
+        spots = [(row, start) for row in range(rows.shape[0]) for start in range(rows.shape[1] - len(ids) + 1)
+                 if torch.equal(rows[row, start:start + len(ids)], ids)]
+        assert len(spots) == 1, f"sample of {len(ids)} tokens placed {len(spots)} times"
+        found.append((*spots[0], len(ids)))
+    return found
 
 
 @pytest.mark.parametrize(("model_type", "rope"), [

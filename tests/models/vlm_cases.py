@@ -80,6 +80,14 @@ class VLMCase:
     """Multimodal RoPE: positions from each sample's own ``get_rope_index``."""
     images_per_row: bool = False
     """Image tensors are ``[B, images, ...]`` (one entry per row), not ``[images, ...]``."""
+    video_token: int | None = None
+    """The placeholder of video tokens (MRoPE models; ``mm_token_type_ids`` 2 tells them from image tokens), None
+    for models without video input here."""
+    frames_apart: bool = False
+    """The processor separates a video's frames by text (timestamps), each frame a block of its own placeholders
+    (Qwen3-VL, GLM-4V); otherwise one block holds the whole video (Qwen2-VL, Qwen2.5-VL)."""
+    video_seconds: bool = False
+    """The processor returns ``second_per_grid_ts`` per video (Qwen2.5-VL), read by ``get_rope_index``."""
 
     def build(self, implementation: str) -> torch.nn.Module:
         """The tiny model in float64, eval mode, same weights for every implementation (seeded)."""
@@ -109,27 +117,59 @@ class VLMCase:
         return sample
 
 
+    def video_sample(self, text_before: list[int], grids: list[tuple[int, int, int]], text_after: list[int],
+                     seed: int, image_sizes: tuple[tuple[int, int], ...] = ()) -> dict[str, torch.Tensor]:
+        """One sample with videos (``(t, h, w)`` grids in patches: ``2t`` frames of ``14h x 14w`` pixels), after
+        optional images, as the processor returns it: ``pixel_values_videos [t*h*w, 3*2*14*14]``, ``video_grid_thw
+        [videos, 3]``, ``mm_token_type_ids`` 1 on image and 2 on video tokens, ``t*h*w/4`` placeholders per video
+        (a block of ``h*w/4`` per frame behind a timestamp token where :attr:`frames_apart`)."""
+        if self.video_token is None:
+            raise ValueError(f"{self.model_type} has no video input in these cases")
+        sample = self.sample(text_before, list(image_sizes), [], seed) if image_sizes else \
+            {"input_ids": torch.tensor([text_before], dtype=torch.long)}
+        generator = torch.Generator().manual_seed(seed + 1000)
+        ids, types = sample["input_ids"][0].tolist(), (sample["input_ids"][0] == self.image_token).long().tolist()
+        for t, h, w in grids:
+            blocks = [(17 + frame, h * w // 4) for frame in range(t)] if self.frames_apart else [(None, t * h * w // 4)]
+            for timestamp, tokens in blocks:
+                opening = ([timestamp] if timestamp is not None else []) + list(self.opens_image)
+                ids += opening + [self.video_token] * tokens
+                types += [0] * len(opening) + [2] * tokens
+        ids += text_after
+        types += [0] * len(text_after)
+        sample["input_ids"] = torch.tensor([ids])
+        sample["mm_token_type_ids"] = torch.tensor([types])
+        sample["pixel_values_videos"] = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14,
+                                                    generator=generator, dtype=torch.float64)
+        sample["video_grid_thw"] = torch.tensor(grids)
+        if self.video_seconds:
+            sample["second_per_grid_ts"] = torch.tensor([0.5 * (index + 1) for index in range(len(grids))])
+        return sample
+
+
 CASES: dict[str, VLMCase] = {case.model_type: case for case in (
     VLMCase("qwen2_vl", "Qwen2VLForConditionalGeneration",
             dict(text_config={**_TEXT, "rope_parameters": _MROPE},
                  vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                                     spatial_merge_size=2, temporal_patch_size=2),
                  image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
-            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True, video_token=251),
     VLMCase("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
             dict(text_config={**_TEXT, "rope_parameters": _MROPE},
                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                                     fullatt_block_indexes=[1]),
                  image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
-            250, _grid_image(14), ((2, 2), (4, 4)), (252,), "mm_token_type_ids", mrope=True),
+            250, _grid_image(14), ((2, 2), (4, 4)), (252,), "mm_token_type_ids", mrope=True, video_token=251,
+            video_seconds=True),
     VLMCase("qwen3_vl", "Qwen3VLForConditionalGeneration",
             dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                                     num_position_embeddings=16, deepstack_visual_indexes=[0]),
                  image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2),
-            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True, video_token=251,
+            frames_apart=True),
     VLMCase("glm4v", "Glm4vForConditionalGeneration",
             dict(text_config={**_TEXT, "rope_parameters": {**_MROPE, "mrope_section": [1, 1, 2],  # half of 16 * 0.5
                                                            "partial_rotary_factor": 0.5}},
@@ -137,7 +177,8 @@ CASES: dict[str, VLMCase] = {case.model_type: case for case in (
                                     image_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
                  image_token_id=250, video_token_id=251, image_start_token_id=252, image_end_token_id=253,
                  video_start_token_id=254, video_end_token_id=255, eos_token_id=2),
-            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True, video_token=250,
+            frames_apart=True),  # GLM-4V's processor writes the image placeholder for video frames too
     VLMCase("llava", "LlavaForConditionalGeneration",
             dict(text_config={"model_type": "llama", **_TEXT},
                  vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,

@@ -1,0 +1,89 @@
+"""Batches that pack nothing: one sample per row, which packfree runs exactly as stock runs them.
+
+A batch carries a *packing signal* when it passes ``cu_seq_lens_q/k`` or ``seq_idx``, or position ids that restart
+inside a row. Without one, each row is one sample, and its 2-D ``attention_mask`` may hold zeros anywhere in the row,
+inside it too (transformers' tests build such padded references, and stock sdpa/eager mask those keys and run on).
+:class:`~packfree_plugin.boundaries.Boundaries` cannot carry a hole inside a sample, so such a batch gets none: the
+call runs on transformers' own mask, and every mixer on its own forward with the stock mask, which is what stock does.
+
+Restarting ids, read over each row's kept tokens (``attention_mask`` 1, every token without a mask):
+
+- ``[B, T]`` ids (integer or float, as stock accepts both): an id not greater than the kept token before it. Ids that
+  run on across padding (``arange``, or ``(cumsum(mask) - 1) * mask``) do not restart; ids that jump forward do not
+  either (with a mask, stock reads ids for positions only);
+- ``[4, B, T]`` MRoPE ids: the same on the first (text) plane;
+- ``[3, B, T]`` MRoPE ids: a kept token whose three planes are all 0 (vision tokens repeat and go back in h and w).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["MASK_SLICING_MODELS", "has_holes", "ids_restart", "reads_as_one_sample_per_row", "slices_its_mask"]
+
+_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def has_holes(attention_mask: torch.Tensor) -> bool:
+    """Whether some row of a 2-D ``attention_mask [B, T]`` (nonzero = kept) has a 0 between two kept tokens."""
+    kept = attention_mask.detach().to("cpu") != 0
+    runs = (kept[:, 1:] & ~kept[:, :-1]).sum(dim=1) + kept[:, 0].long()  # starts of runs of kept tokens
+    return bool((runs > 1).any())
+
+
+def ids_restart(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether ``position_ids`` (``[B, T]``, ``[1, T]``, ``[3 | 4, B, T]``) start a new sample after the first kept
+    token of some row (see the module docstring); ``attention_mask [B, T]``: nonzero on kept tokens, None: all kept."""
+    host = position_ids.detach().to("cpu")
+    host = host.to(torch.float64 if host.is_floating_point() else torch.long)
+    if host.ndim == 3 and host.shape[0] == 4:
+        host = host[0]
+    planes = host.ndim == 3
+    if not planes:
+        host = host[None]
+    rows = host.shape[1]
+    kept = None if attention_mask is None else attention_mask.detach().to("cpu") != 0
+    for row in range(rows if kept is None else kept.shape[0]):
+        ids = host[:, row if rows > 1 else 0]
+        if kept is not None:
+            ids = ids[:, kept[row]]
+        if ids.shape[-1] < 2:
+            continue
+        if planes:
+            restarts = (ids[:, 1:] == 0).all(dim=0)
+        else:
+            restarts = ids[0, 1:] <= ids[0, :-1]
+        if bool(restarts.any()):
+            return True
+    return False
+
+
+def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
+    """Whether a call's bound ``arguments`` carry a 2-D ``attention_mask`` and no packing signal: its rows are
+    one sample each, read from the mask alone (position ids then only number positions, as in stock)."""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        return False
+    if any(arguments.get(name) is not None for name in _BOUNDARY_KWARGS):
+        return False
+    position_ids = arguments.get("position_ids")
+    return not isinstance(position_ids, torch.Tensor) or not ids_restart(position_ids, mask)
+
+
+MASK_SLICING_MODELS: dict[str, str] = {
+    "gemma4_text": "num_kv_shared_layers",  # mask[:, :, slice(-logits_to_keep, None), :] before its KV-shared layers
+    "gemma4_unified_text": "num_kv_shared_layers",
+}
+"""Model type -> the config switch under which the model's own code indexes the masks it builds, as found by a sweep
+of transformers' modeling files (subscripts of ``create_*_mask`` results and of their mappings' values) and confirmed
+by running each (the sweep's other finds, VisualBERT under ``bypass_transformer`` and Longformer, are refused at
+load for their attention). An unpacked batch of these gets stock's mask tensors; on a packed row the boundaries are
+indexed (:meth:`~packfree_plugin.boundaries.Boundaries.__getitem__`: exact where nothing is cut, refused otherwise)."""
+
+
+def slices_its_mask(config: Any) -> bool:
+    """Whether the model of ``config`` (a text config, as mask functions receive it) indexes its masks."""
+    switch = MASK_SLICING_MODELS.get(getattr(config, "model_type", None))
+    return switch is not None and bool(getattr(config, switch, False))
