@@ -13,7 +13,7 @@ Data flows top to bottom:
    ``max_tokens`` tokens (:class:`StepPacker`; by default one unpadded row per step). Same seed, same
    initial weights, same optimizer: both runs see the same samples at every step, so their per-step
    losses must agree.
-4. :func:`run_demo`: both runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
+4. :func:`run_demo`: both runs, the isolation audit of :mod:`packfree_plugin.gate.audit` on the trained model
    (packfree and stock), a Markdown report and a PNG plot.
 """
 
@@ -282,7 +282,7 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- report
 def _audit_trained(packed_model, config) -> tuple[Any, Any]:
     """The verify leak audit on a float64 copy of the trained weights, under packfree and stock sdpa."""
-    from ..verify import audit
+    from ..gate.audit import audit
 
     state = packed_model.state_dict()
     mine = build_model(config, "packfree", state).double().eval()

@@ -12,7 +12,7 @@ from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import MODES, build_pair, main_output, packed_batch, prove, sample_tokens
 from packfree_plugin.gate.shrink import tiny_config_for
 from packfree_plugin.context import current
-from packfree_plugin.verify import audit
+from packfree_plugin.gate.audit import audit
 from tests.gate.conftest import RowPoolingBert
 
 
