@@ -9,7 +9,7 @@ How boundaries flow through one forward (the README draws the same picture)::
       |- mask function ....... attention.interface.packfree_attention_mask returns current() as the mask
       |- attention ........... attention.interface.packfree_attention_forward gets it as attention_mask
       |- decoder layer ....... _layer_pre_hook pushes boundaries_for(kwargs) for the mixers inside
-      |   |- mixer ........... adapters.registry.mixer_forward: boundaries_for(kwargs)
+      |   |- mixer ........... adapters.mixers._mixer_forward: boundaries_for(kwargs)
       |   |   |- native tier . adapters.routes.native_forward pushes a NativeCall; each routed kernel
       |   |                    reads native_call() and runs the packfree op with its boundaries
       |   |- checkpointing ... _carry_through_checkpoint re-pushes them when backward recomputes the layer
@@ -59,6 +59,7 @@ __all__ = [
     "exit_native",
     "in_prepared_forward",
     "native_call",
+    "tensor_leaves",
 ]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
@@ -141,7 +142,7 @@ def exit_native() -> None:
 class ForwardParameters:
     """A forward's parameters, read once per class (or instance forward), so that binding a call is plain dict
     work, which torch.compile traces (``inspect`` is not traceable). Used for models here and for mixers in
-    :mod:`.adapters.registry`."""
+    :mod:`.adapters.mixers`."""
 
     names: tuple[str, ...]
     """Named parameters, in order."""
@@ -195,6 +196,17 @@ def _tokens(arguments: dict[str, Any]) -> Any:
     return tokens if tokens is not None else arguments.get("inputs_embeds")
 
 
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a tree of tuples, lists and dicts, in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in tensor_leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in tensor_leaves(item)]
+    return []
+
+
 def _cache_holds_tokens(past: Any) -> bool:
     """Whether a cache object already holds state from earlier tokens, read from its layers' real state
     (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
@@ -213,8 +225,6 @@ def _cache_holds_tokens(past: Any) -> bool:
                 return True
         return False
     if isinstance(past, (list, tuple)):  # legacy tuples, RWKV's state list
-        from .adapters.generic import tensor_leaves
-
         return any(t.numel() > 0 for t in tensor_leaves(past))
     seq_length = getattr(past, "get_seq_length", None)
     if callable(seq_length):

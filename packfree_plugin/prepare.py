@@ -11,7 +11,7 @@ from torch import nn
 
 from .adapters.heads import wrap_heads
 from .adapters.positions import reads_boundaries_in_layers, wrap_positions
-from .adapters.registry import check_coverage, wrap_mixers
+from .adapters.mixers import check_coverage, wrap_mixers
 from .compat import check_transformers_version
 from .context import apply_model_hook
 from .gate import admit

@@ -1,4 +1,4 @@
-"""Encoders whose attention packfree's attention function cannot serve, registered per family (see :mod:`.registry`).
+"""Encoders whose attention packfree's attention function cannot serve, registered per family (see :mod:`.entry`).
 
 These BERT-era encoders add the mask to their scores in code of their own (``scores + attention_mask``), build
 position information from the row's shape inside the encoder (MPNet's relative-position bias, RoFormer's rotary
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .families import REFUSED
-from .registry import MixerAdapter, register_adapter
+from .entry import MixerAdapter, register_adapter
 
 __all__ = ["ENCODER_REFUSED", "is_decoder"]
 
@@ -69,5 +68,5 @@ ENCODER_REFUSED: dict[str, str] = {
         "Longformer pads the row to a multiple of its attention window and gives global tokens attention over "
         "the whole row"),
 }
-"""Layer class -> why packfree cannot run it exactly on packed rows (added to :data:`.families.REFUSED`)."""
-REFUSED.update(ENCODER_REFUSED)
+"""Layer class -> why packfree cannot run it exactly on packed rows (with :data:`.families.REFUSED`, raised at load
+by :func:`.mixers.check_coverage`)."""

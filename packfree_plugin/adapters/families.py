@@ -1,5 +1,5 @@
 """One declarative entry per family of sequence mixers and of attention layers with code of their own (see
-:mod:`.registry`).
+:mod:`.entry`).
 
 Every entry runs the layer's own forward per sample (the generic tier) unless it names a native
 implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter
+from .entry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter
 from .forwards import lightning_forward, rg_lru_forward
 from .routes import native_forward
 
@@ -248,22 +248,6 @@ SHARED_INDEXER_SINK_ATTENTION = register_adapter(MixerAdapter(
     token_args=("position_embeddings", "prev_topk_indices"), output_index=(0, 2), attention="eager",
     per_sample_output=_full_topk_width, notes="as shared_indexer_attention, with sinks and an output gate: eager only",
 ))
-
-TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
-"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
-before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
-crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
-stock); their attention layers run per sample (above) and build their own."""
-
-
-def wants_tensor_mask(config: Any) -> bool:
-    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in TENSOR_MASK_MODELS:
-        return False
-    switch = TENSOR_MASK_MODELS[model_type]
-    return switch is None or bool(getattr(config, switch, False))
-
 
 IMPLEMENTATION_TABLES: dict[str, tuple[str, str]] = {
     "transformers.models.gpt_neo.modeling_gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", "eager"),

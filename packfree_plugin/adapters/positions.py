@@ -53,7 +53,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import class_forward_parameters, current
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
-from .registry import additive_mask, register_by_class_name
+from .entry import additive_mask, register_by_class_name
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",

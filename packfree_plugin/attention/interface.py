@@ -352,10 +352,22 @@ def _check_pattern(mask_function: Callable) -> None:
         _check_pattern(function)
 
 
-def _wants_tensor_mask(config: object) -> bool:
-    from ..adapters.families import wants_tensor_mask
+TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
+"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
+before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
+crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
+stock); their attention layers run per sample (:mod:`..adapters.families`) and build their own."""
 
-    return config is not None and wants_tensor_mask(config)
+
+def _wants_tensor_mask(config: object) -> bool:
+    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
+    if config is None:
+        return False
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TENSOR_MASK_MODELS:
+        return False
+    switch = TENSOR_MASK_MODELS[model_type]
+    return switch is None or bool(getattr(config, switch, False))
 
 
 def _packed_dense_mask(boundaries: Boundaries, mask_function: Callable | None, dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import tensor_leaves
+
 __all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]
 
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -87,16 +89,6 @@ def with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, An
     return batch
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _time_axis(tensor: torch.Tensor, batch: int, seq_len: int) -> int | None:
     if tensor.ndim < 2 or tensor.shape[0] != batch or not tensor.is_floating_point():
         return None
@@ -115,7 +107,7 @@ def record_outputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str
     handles = []
     for name, module in model.named_modules():
         def hook(_module, _args, output, name=name):
-            outputs.setdefault(name, []).append([t.detach().clone() for t in _tensors(output)])
+            outputs.setdefault(name, []).append([t.detach().clone() for t in tensor_leaves(output)])
 
         handles.append(module.register_forward_hook(hook))
     try:

@@ -85,8 +85,9 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from ..adapters import encoders, families  # noqa: F401  (fill REGISTRY)
-    from ..adapters.registry import _looks_like_a_mixer, adapter_for
+    from ..adapters import families
+    from ..adapters.entry import adapter_for
+    from ..adapters.mixers import _looks_like_a_mixer
     from ..tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -284,7 +284,7 @@ def test_the_tables_name_installed_classes() -> None:
     import importlib
 
     from packfree_plugin.adapters import encoders
-    from packfree_plugin.adapters.registry import REGISTRY
+    from packfree_plugin.adapters.entry import REGISTRY
     from packfree_plugin.attention.interface import MASK_HALF_WIDTH_WINDOWS
 
     named = {name for name, adapter in REGISTRY.items() if adapter.family in
