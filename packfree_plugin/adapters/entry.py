@@ -4,7 +4,7 @@ build."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from ..boundaries import Boundaries
 
-__all__ = ["MixerAdapter", "NativeRun", "PerSample", "REGISTRY", "adapter_for", "additive_mask", "dense_causal_mask",
-           "positions_per_sample", "register_adapter", "register_by_class_name"]
+__all__ = ["MixerAdapter", "NativeRun", "PerSample", "REGISTRY", "ROUTED_FUNCTIONS", "adapter_for", "additive_mask", "dense_causal_mask",
+           "positions_per_sample", "register_adapter", "register_by_class_name", "register_refusal"]
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(layer, original_forward, boundaries, bound_arguments) -> output``."""
@@ -41,6 +41,14 @@ class MixerAdapter:
     ``class_names`` may qualify a class by its modeling module (``"openai.Attention"`` for
     ``transformers.models.openai.modeling_openai.Attention``) where the bare name is shared by other models.
 
+    ``refused``: why packfree cannot run these classes exactly on packed rows (loading a model that holds one with
+    packfree raises it, :func:`.mixers.check_coverage`); such an entry runs nothing.
+
+    ``routes``: for a native tier that runs the layer's own forward with its kernel calls routed to packfree's ops
+    (:func:`.routes.native_forward`), the kernel functions it calls and where they live: modeling module (under
+    ``transformers.models``) -> {module-level function: the kernel it implements, a key of
+    :data:`.routes.ROUTED_KERNELS`}.
+
     ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
     passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
     attention function cannot serve: the stock implementation (``"sdpa"`` or ``"eager"``) the layer runs
@@ -64,6 +72,8 @@ class MixerAdapter:
     per_sample_output: Callable[[nn.Module, Any], Any] | None = None
     attention: str | None = None
     causal: bool | Callable[[nn.Module], bool] = True
+    refused: str = ""
+    routes: Mapping[str, Mapping[str, str]] = field(default_factory=dict, compare=False)
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -72,11 +82,16 @@ class MixerAdapter:
 
     @property
     def tier(self) -> str:
+        if self.refused:
+            return "refused"
         return "native" if self.native is not None else "generic"
 
 
 REGISTRY: dict[str, MixerAdapter] = {}
 """Layer class name -> adapter."""
+ROUTED_FUNCTIONS: dict[str, Mapping[str, str]] = {}
+"""Modeling module -> {function: kernel}: every transformers function packfree routes, the adapters' ``routes``
+gathered as they register."""
 
 
 def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
@@ -89,7 +104,18 @@ def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
 
 
 def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
-    return register_by_class_name(REGISTRY, adapter)
+    """Enter ``adapter`` in :data:`REGISTRY` by its classes and its ``routes`` in :data:`ROUTED_FUNCTIONS`."""
+    for module, functions in adapter.routes.items():
+        if ROUTED_FUNCTIONS.get(module, functions) != functions:
+            raise ValueError(f"{module} already routes other functions ({dict(ROUTED_FUNCTIONS[module])})")
+    register_by_class_name(REGISTRY, adapter)
+    ROUTED_FUNCTIONS.update(adapter.routes)
+    return adapter
+
+
+def register_refusal(class_name: str, reason: str) -> MixerAdapter:
+    """Enter layer class ``class_name`` as one packfree refuses at load, saying ``reason``."""
+    return register_adapter(MixerAdapter(f"refused_{class_name}", (class_name,), refused=reason))
 
 
 def adapter_for(cls: type) -> MixerAdapter | None:

@@ -6,11 +6,12 @@ that, while a packed batch is in flight, runs the adapter; otherwise the layer's
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
 
-Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_for`: the
-``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
+Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_here`, given its input rows:
+the ``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
 models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
-(and around the recomputation of gradient checkpointing). Native adapters hand them to packfree's ops
-(:mod:`.routes`); the generic tier reads the host offsets.
+(and around the recomputation of gradient checkpointing), provided they describe those rows. Native adapters
+hand them to packfree's ops (:mod:`.routes`, through the kernel functions their entry's ``routes`` name); the
+generic tier reads the host offsets.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, boundaries_for
+from ..context import ForwardParameters, boundaries_here
 from ..ops._nonfinite import Quarantine
 from . import encoders, families
 from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
@@ -33,7 +34,7 @@ from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
-__all__ = ["REFUSED", "check_coverage", "wrap_mixers"]
+__all__ = ["check_coverage", "wrap_mixers"]
 
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
@@ -179,22 +180,19 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     ``__dict__``: picklable, and a deep copy binds to the copy."""
     adapter = adapter_for(type(layer))
     original = own_forward(layer)
-    boundaries = boundaries_for(kwargs)
-    if adapter.attention is not None:
-        return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
-    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
-        # one sample per row: the layer's own forward is exact; boundary inputs would only make
-        # transformers' kernel fallbacks refuse the call
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     arguments = own_parameters(layer).bind(args, kwargs)
-    hidden = arguments.get(adapter.hidden_arg)
-    if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
-        return original(*args, **kwargs)
+    boundaries = boundaries_here(kwargs, rows=arguments.get(adapter.hidden_arg))
+    if adapter.attention is not None:
+        return _attention_forward(layer, adapter, original, boundaries, arguments)
+    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
+        # one sample per row, or rows that are not this forward's: the layer's own forward is exact; boundary
+        # inputs would only make transformers' kernel fallbacks refuse the call
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     if not boundaries.is_packed and any(arguments.get(name) is not None for name in _CACHE_PARAMETERS):
         # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-    if adapter.native is native_forward and not may_reach_kernels(layer, hidden):
+    if adapter.native is native_forward and not may_reach_kernels(layer, arguments[adapter.hidden_arg]):
         # packfree's torch ops keep a sample's NaN or inf out of the others themselves
         return native_forward(layer, original, boundaries, arguments)
     if adapter.native is not None:
@@ -226,16 +224,15 @@ def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[
 
 
 def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
-                       *args, **kwargs):
-    arguments = own_parameters(layer).bind(args, kwargs)
+                       arguments: dict[str, Any]):
+    """``boundaries``: those of the layer's own rows (None: it has none)."""
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
-        fits = boundaries is not None and boundaries.describes(*hidden.shape[:2])
         # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
         # whole batch fills the cache as stock does, with the mask stock builds for these rows
-        fills_cache = fits and not boundaries.is_packed and any(
+        fills_cache = boundaries is not None and not boundaries.is_packed and any(
             arguments.get(name) is not None for name in _CACHE_PARAMETERS)
-        if fits and not fills_cache:
+        if boundaries is not None and not fills_cache:
             return _generic(adapter, layer, original, boundaries, arguments)
         if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
             arguments["attention_mask"] = _rows_mask(boundaries, layer)
@@ -252,7 +249,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
     wrapped = []
     for path, module in model.named_modules():
         adapter = adapter_for(type(module))
-        if adapter is None:
+        if adapter is None or adapter.refused:
             continue
         install(module, _mixer_forward)
         if adapter.native is not None:
@@ -260,9 +257,6 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         wrapped.append((path, adapter.tier))
     return wrapped
 
-
-REFUSED: dict[str, str] = {**families.REFUSED, **encoders.ENCODER_REFUSED}
-"""Layer class -> why packfree cannot run it exactly on packed rows (raised at load)."""
 
 _RECURRENT_PARAMETERS = frozenset({"A_log", "dt_bias", "time_decay", "time_first", "recurrent_param", "a_param"})
 _MIXER_NAME = re.compile(r"(Rwkv|RWKV|Lstm|LSTM|Lightning|Indexer|Compressor|ShortConv|DeltaNet|Mamba.*Mixer)")
@@ -292,7 +286,7 @@ def _takes_no_tokens(module: nn.Module) -> bool:
 
 def check_coverage(model: nn.Module) -> None:
     """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
-    packfree knows it cannot run exactly (:data:`REFUSED`)."""
+    packfree knows it cannot run exactly (an entry's ``refused``)."""
     covered: set[str] = set()
     unknown: set[str] = set()
     for path, module in model.named_modules():
@@ -303,11 +297,12 @@ def check_coverage(model: nn.Module) -> None:
             covered.add(path)
         elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             unknown.add(name)
-    refused = sorted({type(module).__name__ for module in model.modules()} & REFUSED.keys())
+    entries = {type(module).__name__: adapter_for(type(module)) for module in model.modules()}  # towers' too
+    refused = {name: entry.refused for name, entry in entries.items() if entry is not None and entry.refused}
     if refused:
         raise ValueError(
             "packfree cannot run these layers exactly on packed rows: "
-            + "; ".join(f"{name} ({REFUSED[name]})" for name in refused)
+            + "; ".join(f"{name} ({refused[name]})" for name in sorted(refused))
             + ". Load the model without packfree, or pass one sample per row"
         )
     if unknown:

@@ -25,7 +25,7 @@ from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import current, in_prepared_forward
+from ..context import boundaries_here, in_prepared_forward
 from ..opaque import boundary_function
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
@@ -213,8 +213,7 @@ def packfree_attention_forward(
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
         return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
-    enclosing = current()
-    if enclosing is not None and enclosing.is_packed and enclosing.seq_len in (query.shape[2], key.shape[2]):
+    if any(boundaries_here(packed=True, length=length) is not None for length in (query.shape[2], key.shape[2])):
         # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
         # per-token attention over earlier layers' states, mixes no samples)
         raise ValueError(
@@ -401,12 +400,11 @@ def packfree_attention_mask(
     at the top is seen) every overlay is refused. A call whose 2-D mask is not the boundaries' padding (a seq2seq
     cross-attention given the encoder's mask) gets stock's mask. A packed seq2seq decoder's cross-attention gets
     the pairing of its samples with the encoder's (:func:`_cross_attention_mask`)."""
-    boundaries = current()
-    pairing = _cross_attention_mask(boundaries, batch_size, q_length, kv_length, mask_function)
+    pairing = _cross_attention_mask(boundaries_here(), batch_size, q_length, kv_length, mask_function)
     if pairing is not None:
         return pairing
-    if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
-            and _marks_their_padding(boundaries, attention_mask):
+    boundaries = boundaries_here(rows=(batch_size, q_length)) if q_length == kv_length else None
+    if boundaries is not None and _marks_their_padding(boundaries, attention_mask):
         compiling = torch.compiler.is_compiling()
         if not (use_vmap or _widens(mask_function, look_inside=not compiling)):
             if mask_function is not None and not compiling:

@@ -250,10 +250,13 @@ def test_packed_row_equals_alone_for_any_lengths(model_type: str, lengths: list[
 
 
 def test_a_refused_layer_class_raises_at_load_with_its_reason(monkeypatch) -> None:
-    from packfree_plugin.adapters import mixers
+    import dataclasses
+
+    from packfree_plugin.adapters.entry import REGISTRY
 
     packfree_plugin.register()
-    monkeypatch.setitem(mixers.REFUSED, "Lfm2ShortConv", "no exact packed path (test)")
+    monkeypatch.setitem(REGISTRY, "Lfm2ShortConv",
+                        dataclasses.replace(REGISTRY["Lfm2ShortConv"], refused="no exact packed path (test)"))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv \(no exact packed path \(test\)\)"):
         AutoModelForCausalLM.from_config(catalogue_config("lfm2"), attn_implementation="packfree")
 
