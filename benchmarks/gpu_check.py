@@ -360,7 +360,7 @@ def compiled_rows(env: Env) -> list[dict]:
 
     import packfree_plugin
     from packfree_plugin.tiny import tiny_config
-    from packfree_plugin.verify import packed_row
+    from packfree_plugin.gate.audit import packed_row
 
     packfree_plugin.register()
     backend = "aot_eager" if env.dry_run else "inductor"

@@ -34,7 +34,7 @@ def run(quick: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.adapters import registry
+    from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the registry
 
     packfree_plugin.register()
     generator = torch.Generator().manual_seed(0)
@@ -47,16 +47,16 @@ def run(quick: bool = False) -> list[dict]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_config(model_type), attn_implementation="packfree",
                                                  experts_implementation="eager").train()
-        native = registry.REGISTRY[mixer]
+        native = entry.REGISTRY[mixer]
         generic = dataclasses.replace(native, native=None)
 
-        def step(adapter: registry.MixerAdapter) -> None:
-            registry.REGISTRY[mixer] = adapter
+        def step(adapter: entry.MixerAdapter) -> None:
+            entry.REGISTRY[mixer] = adapter
             try:
                 model.zero_grad(set_to_none=True)
                 model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
             finally:
-                registry.REGISTRY[mixer] = native
+                entry.REGISTRY[mixer] = native
 
         step(native)  # warm-up of both
         step(generic)

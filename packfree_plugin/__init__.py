@@ -19,13 +19,13 @@ _LAZY = {
     "register": "packfree_plugin.registration",
     "unregister": "packfree_plugin.registration",
     "is_registered": "packfree_plugin.registration",
-    "apply": "packfree_plugin.adapters",
+    "apply": "packfree_plugin.prepare",
 }
 
 __all__ = ["Boundaries", "apply", "is_registered", "register", "unregister", "__version__"]
 
 if TYPE_CHECKING:
-    from .adapters import apply
+    from .prepare import apply
     from .boundaries import Boundaries
     from .registration import is_registered, register, unregister
 

@@ -1,6 +1,6 @@
 """The versions packfree is tested with, and the check that refuses the others at load.
 
-packfree reaches into transformers' modeling modules by name (:data:`~.adapters.routes.ROUTED_FUNCTIONS`,
+packfree reaches into transformers' modeling modules by name (:data:`~.adapters.entry.ROUTED_FUNCTIONS`,
 the layer classes of :mod:`~.adapters.families`) and through its attention and mask interfaces, so it is
 only known to be exact on the transformers releases its test suite ran on: ``nox -s compat`` runs the model
 tests on the oldest and the newest of them. On any other release, preparing a model raises instead of

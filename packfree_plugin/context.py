@@ -6,10 +6,10 @@ How boundaries flow through one forward (the README draws the same picture)::
     model(**batch)
       _model_pre_hook ........ reads the batch once (_read_batch -> boundaries_for_call), pushes the
       |                        Boundaries, adds packfree_boundaries= to the call's **kwargs
-      |- mask function ....... attention.interface.packfree_attention_mask returns current() as the mask
+      |- mask function ....... attention.interface.packfree_attention_mask returns boundaries_here(rows=(B, T))
       |- attention ........... attention.interface.packfree_attention_forward gets it as attention_mask
-      |- decoder layer ....... _layer_pre_hook pushes boundaries_for(kwargs) for the mixers inside
-      |   |- mixer ........... adapters.registry.mixer_forward: boundaries_for(kwargs)
+      |- decoder layer ....... _layer_pre_hook pushes boundaries_here(kwargs) for the mixers inside
+      |   |- mixer ........... adapters.mixers._mixer_forward: boundaries_here(kwargs, rows=hidden)
       |   |   |- native tier . adapters.routes.native_forward pushes a NativeCall; each routed kernel
       |   |                    reads native_call() and runs the packfree op with its boundaries
       |   |- checkpointing ... _carry_through_checkpoint re-pushes them when backward recomputes the layer
@@ -52,14 +52,14 @@ __all__ = [
     "ForwardParameters",
     "NativeCall",
     "apply_model_hook",
-    "boundaries_for",
     "boundaries_for_call",
+    "boundaries_here",
     "class_forward_parameters",
-    "current",
     "enter_native",
     "exit_native",
     "in_prepared_forward",
     "native_call",
+    "tensor_leaves",
 ]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
@@ -101,7 +101,7 @@ def _pop() -> None:
     _STACK.items.pop()
 
 
-def current() -> Boundaries | None:
+def _current() -> Boundaries | None:
     """The boundaries in effect on this thread (None outside a packfree forward, or while decoding)."""
     top = _top()
     return top.boundaries if isinstance(top, NativeCall) else top
@@ -113,11 +113,28 @@ def in_prepared_forward() -> bool:
     return bool(_STACK.items)
 
 
-def boundaries_for(kwargs: dict[str, Any]) -> Boundaries | None:
-    """A consumer's boundaries: the ``packfree_boundaries`` transformers forwarded through its ``**kwargs``,
-    else :func:`current`."""
-    given = kwargs.get("packfree_boundaries")
-    return given if given is not None else current()
+_ANY_ROWS = object()
+
+
+def boundaries_here(kwargs: dict[str, Any] | None = None, *, rows: Any = _ANY_ROWS, length: int | None = None,
+                    packed: bool = False) -> Boundaries | None:
+    """The boundaries of the rows a consumer (a layer, head, position module, mask or attention function) works on,
+    or None: the one reader of boundaries outside this module.
+
+    They are the ``packfree_boundaries`` transformers forwarded through the consumer's ``**kwargs`` when given,
+    else the entry on this thread's stack (the model forward, decoder layer or native call in progress), and they
+    count only where they are the consumer's own: ``rows`` (``[B, T, ...]`` token rows, or a ``(B, T)`` pair; never
+    a 2-D float tensor, a tower's ``[N, D]`` patches) must be rows they describe, ``length`` their ``T``, and
+    with ``packed`` they must hold several samples in some row."""
+    given = kwargs.get("packfree_boundaries") if kwargs else None
+    boundaries = given if given is not None else _current()
+    if boundaries is None or (packed and not boundaries.is_packed):
+        return None
+    if length is not None and length != boundaries.seq_len:
+        return None
+    if rows is not _ANY_ROWS and not _fits(boundaries, rows):
+        return None
+    return boundaries
 
 
 def native_call() -> NativeCall | None:
@@ -142,7 +159,7 @@ def exit_native() -> None:
 class ForwardParameters:
     """A forward's parameters, read once per class (or instance forward), so that binding a call is plain dict
     work, which torch.compile traces (``inspect`` is not traceable). Used for models here and for mixers in
-    :mod:`.adapters.registry`."""
+    :mod:`.adapters.mixers`."""
 
     names: tuple[str, ...]
     """Named parameters, in order."""
@@ -196,6 +213,17 @@ def _tokens(arguments: dict[str, Any]) -> Any:
     return tokens if tokens is not None else arguments.get("inputs_embeds")
 
 
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a tree of tuples, lists and dicts, in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in tensor_leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in tensor_leaves(item)]
+    return []
+
+
 def _cache_holds_tokens(past: Any) -> bool:
     """Whether a cache object already holds state from earlier tokens, read from its layers' real state
     (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
@@ -214,8 +242,6 @@ def _cache_holds_tokens(past: Any) -> bool:
                 return True
         return False
     if isinstance(past, (list, tuple)):  # legacy tuples, RWKV's state list
-        from .adapters.generic import tensor_leaves
-
         return any(t.numel() > 0 for t in tensor_leaves(past))
     seq_length = getattr(past, "get_seq_length", None)
     if callable(seq_length):
@@ -352,9 +378,11 @@ def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 def _fits(boundaries: Boundaries, tokens: Any) -> bool:
-    """Whether ``tokens`` is a row of tokens that ``boundaries`` describe: ``[B, T]`` ids or ``[B, T, D]``
+    """Whether ``tokens`` is a row of tokens that ``boundaries`` describe: a ``(B, T)`` pair, ``[B, T]`` ids or ``[B, T, D]``
     embeddings. A 2-D float tensor is a tower's ``[N, D]`` patches or frames, never a row, even where its shape
     happens to equal the text rows' (16 Qwen-VL patches of 1176 values against 16 rows of 1176 tokens)."""
+    if isinstance(tokens, tuple) and len(tokens) == 2:
+        return boundaries.describes(*tokens)
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2 or (tokens.ndim == 2 and tokens.is_floating_point()):
         return False
     return boundaries.describes(*tokens.shape[:2])
@@ -386,7 +414,7 @@ def _check_given(boundaries: Any, tokens: torch.Tensor | None) -> None:
 
 def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
     """The enclosing model's boundaries when this call is for the same tokens with the cache off, else None."""
-    parent = current()
+    parent = _current()
     if parent is None or kwargs.get("use_cache") is not False:
         return None
     return parent if _inherits(parent, _call_tokens(args, kwargs), kwargs) else None
@@ -396,7 +424,7 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
 def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Build the boundaries from the call's inputs and push them (pushes first: the post-hook pops even when
     the inputs are refused)."""
-    outer = current()
+    outer = _current()
     _push(None)
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
@@ -555,7 +583,7 @@ def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Decoder layers push the boundaries they were called with for the mixers inside, and make their
     gradient-checkpointing function carry them into the recomputation that backward runs. Traced by
     torch.compile: nothing here reads tensors or breaks the graph."""
-    _push(boundaries_for(kwargs))
+    _push(boundaries_here(kwargs))
     # transformers sets it on the instance; a missing attribute through nn.Module.__getattr__ costs every layer
     checkpoint = module.__dict__.get("_gradient_checkpointing_func")
     if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
@@ -595,7 +623,7 @@ def _carry_through_checkpoint(checkpoint: Any) -> Any:
     hooks do not see, so without this the recomputation would run the mixers on the packed row unprotected.)"""
 
     def carrying(function, *args, **kwargs):
-        boundaries = current()
+        boundaries = _current()
 
         def run(*inner_args, **inner_kwargs):
             _push(boundaries)

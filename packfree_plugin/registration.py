@@ -47,6 +47,8 @@ def register() -> None:
     def post_init(self: PreTrainedModel, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if _uses_packfree(self):
+            # the one import that runs up, to the package's own entry point: apply() (packfree_plugin.prepare)
+            # registers before it prepares, and every model built with "packfree" must be prepared as it exists
             from . import apply
 
             apply(self)

@@ -1,4 +1,4 @@
-"""Encoders whose attention packfree's attention function cannot serve, registered per family (see :mod:`.registry`).
+"""Encoders whose attention packfree's attention function cannot serve, registered per family (see :mod:`.entry`).
 
 These BERT-era encoders add the mask to their scores in code of their own (``scores + attention_mask``), build
 position information from the row's shape inside the encoder (MPNet's relative-position bias, RoFormer's rotary
@@ -10,17 +10,17 @@ would see alone, and its row-shaped tables are built per sample. The ``ForCausal
 turn the same encoder causal with ``config.is_decoder``; then samples are right-padded into groups under a causal
 mask, as for any causal layer. Their embeddings and heads act per token and run on the packed row.
 
-Classes in :data:`REFUSED` cannot be made exact per sample; loading a model that holds one with packfree raises.
+Classes entered with :func:`.entry.register_refusal` cannot be made exact per sample; loading a model that holds one
+with packfree raises.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .families import REFUSED
-from .registry import MixerAdapter, register_adapter
+from .entry import MixerAdapter, register_adapter, register_refusal
 
-__all__ = ["ENCODER_REFUSED", "is_decoder"]
+__all__ = ["is_decoder"]
 
 
 def is_decoder(layer: nn.Module) -> bool:
@@ -59,15 +59,14 @@ PADDING_MASK_ENCODERS = register_adapter(MixerAdapter(
           "MRA's block-wise attention; each takes the [B, T] padding mask, which it gets per sample",
 ))
 
-ENCODER_REFUSED: dict[str, str] = {
-    "BigBirdBlockSparseAttention": (
-        "BigBird's block-sparse attention pads the row to its block size and attends random blocks of the whole "
-        "row; load the model with attention_type='original_full'"),
-    "FunnelEncoder": "Funnel pools neighbouring tokens of the row into fewer, so outputs are not per token",
-    "PerceiverEncoder": "Perceiver's latents cross-attend to the whole row, so outputs are per latent, not per token",
-    "LongformerSelfAttention": (
-        "Longformer pads the row to a multiple of its attention window and gives global tokens attention over "
-        "the whole row"),
-}
-"""Layer class -> why packfree cannot run it exactly on packed rows (added to :data:`.families.REFUSED`)."""
-REFUSED.update(ENCODER_REFUSED)
+# ------------------------------------------------------------------ refused: no exact per-sample path (raised at load)
+register_refusal("BigBirdBlockSparseAttention", (
+    "BigBird's block-sparse attention pads the row to its block size and attends random blocks of the "
+    "whole row; load the model with attention_type='original_full'"))
+register_refusal("FunnelEncoder", (
+    "Funnel pools neighbouring tokens of the row into fewer, so outputs are not per token"))
+register_refusal("PerceiverEncoder", (
+    "Perceiver's latents cross-attend to the whole row, so outputs are per latent, not per token"))
+register_refusal("LongformerSelfAttention", (
+    "Longformer pads the row to a multiple of its attention window and gives global tokens attention "
+    "over the whole row"))

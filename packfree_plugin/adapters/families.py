@@ -1,11 +1,13 @@
 """One declarative entry per family of sequence mixers and of attention layers with code of their own (see
-:mod:`.registry`).
+:mod:`.entry`).
 
 Every entry runs the layer's own forward per sample (the generic tier) unless it names a native
 implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
-rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops; the
-forwards of :mod:`.forwards` do the same for layers whose recurrence is inline (lightning attention, RG-LRU). Classes listed in :data:`REFUSED` cannot be made exact yet: loading a model that holds
-one with packfree raises, naming the class and the reason.
+rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops: the entry's
+``routes`` name those kernel functions and the modeling modules they live in. The forwards of :mod:`.forwards` do
+the same for layers whose recurrence is inline (lightning attention, RG-LRU). Classes entered with
+:func:`.entry.register_refusal` cannot be made exact yet: loading a model that holds one with packfree raises, naming
+the class and the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter
+from .entry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter, register_refusal
 from .forwards import lightning_forward, rg_lru_forward
 from .routes import native_forward
 
@@ -29,43 +31,78 @@ NOT_MIXERS: frozenset[str] = frozenset({
 })
 """Classes that match the mixer heuristics but mix nothing along the sequence (e.g. a vision patch conv)."""
 
-REFUSED: dict[str, str] = {
-    "CpmAntEncoder": "CPM-Ant prepends learned prompt tokens to every row and attends bidirectionally over the whole "
-                     "row, prompt included: each sample alone gets a prompt of its own, a packed row shares one",
-    "ProphetNetNgramSelfAttention": "ProphetNet numbers positions from the attention mask over the whole row "
-                                    "(position_ids are not read) and its n-gram predict streams attend to the row's "
-                                    "main stream",
-    "XLNetRelativeAttention": "XLNet's two-stream relative attention runs sequence-first ([T, B]) with a bidirectional "
-                              "mask, relative encodings and permutation masks built for the whole row",
-    "LSHSelfAttention": "Reformer hashes the whole row into LSH buckets and sorts it, so samples share buckets",
-    "LocalSelfAttention": "Reformer's local attention runs in fixed chunks of the row that also see the previous chunk",
-    "DogeCDMoE": "Doge's MoE router splits the router logits of all the batch's tokens into two halves "
-                 "(view(2, B * T, -1)), so each token's experts depend on the other tokens of the batch, even in stock",
-    "WhisperEncoder": "Whisper's encoder reads fixed 30-second log-mel windows (input_features) through a conv "
-                      "front-end, one window per row, not a row of tokens; packfree packs Whisper's decoder alone "
-                      "(WhisperForCausalLM)",
-}
-"""Layer class -> why packfree cannot run it exactly on packed rows (raised at load)."""
+# ------------------------------------------------------------------ refused: no exact per-sample path (raised at load)
+register_refusal("CpmAntEncoder", (
+    "CPM-Ant prepends learned prompt tokens to every row and attends bidirectionally over the whole "
+    "row, prompt included: each sample alone gets a prompt of its own, a packed row shares one"))
+register_refusal("ProphetNetNgramSelfAttention", (
+    "ProphetNet numbers positions from the attention mask over the whole row (position_ids are not "
+    "read) and its n-gram predict streams attend to the row's main stream"))
+register_refusal("XLNetRelativeAttention", (
+    "XLNet's two-stream relative attention runs sequence-first ([T, B]) with a bidirectional mask, "
+    "relative encodings and permutation masks built for the whole row"))
+register_refusal("LSHSelfAttention", (
+    "Reformer hashes the whole row into LSH buckets and sorts it, so samples share buckets"))
+register_refusal("LocalSelfAttention", (
+    "Reformer's local attention runs in fixed chunks of the row that also see the previous chunk"))
+register_refusal("DogeCDMoE", (
+    "Doge's MoE router splits the router logits of all the batch's tokens into two halves (view(2, B "
+    "* T, -1)), so each token's experts depend on the other tokens of the batch, even in stock"))
+register_refusal("WhisperEncoder", (
+    "Whisper's encoder reads fixed 30-second log-mel windows (input_features) through a conv "
+    "front-end, one window per row, not a row of tokens; packfree packs Whisper's decoder alone "
+    "(WhisperForCausalLM)"))
+
+# The native families' kernel functions: module-level function of a modeling module -> the kernel it implements
+# (a route of :data:`.routes.ROUTED_KERNELS`). These are the functions a modeling module declares with
+# ``@use_kernel_func_from_hub_with_fallback("<kernel>", ...)`` and calls from its mixers, for the transformers range
+# in :mod:`packfree_plugin.compat` (``tests/adapters/test_kernel_table.py`` checks each exists).
+_CONV = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
+_GATED_DELTA = {**_CONV, "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+                "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
+_KDA = {**_CONV, "chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "fused_recurrent_kda"}
+_MAMBA2 = {**_CONV, "mamba2_chunk_scan": "mamba_chunk_scan_combined",
+           "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined",
+           "mamba2_selective_state_update": "selective_state_update"}
+_MAMBA = {**_CONV, "mamba_selective_scan": "selective_scan_fn", "mamba_selective_state_update": "selective_state_update"}
+_FUSED_MAMBA = {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"}
+
+
+def _in(functions: dict[str, str], *modules: str) -> dict[str, dict[str, str]]:
+    """``functions`` routed in each modeling module (``"mamba2.modeling_mamba2"``, under ``transformers.models``)."""
+    return dict.fromkeys(modules, functions)
+
 
 # ------------------------------------------------------------------ Gated DeltaNet / KDA (conv + delta rule)
 GATED_DELTA = register_adapter(MixerAdapter("gated_delta", (
     "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
     "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet",
-), native=native_forward))
+), native=native_forward, routes=_in(
+    _GATED_DELTA, "qwen3_next.modeling_qwen3_next", "qwen3_5.modeling_qwen3_5", "qwen3_5_moe.modeling_qwen3_5_moe",
+    "qwen4_exp.modeling_qwen4_exp", "olmo_hybrid.modeling_olmo_hybrid", "lara_mini.modeling_lara_mini",
+)))
 KIMI_DELTA = register_adapter(MixerAdapter("kimi_delta", (
     "KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention",
-), native=native_forward))
+), native=native_forward, routes=_in(
+    _KDA, "kimi_linear.modeling_kimi_linear", "bailing_hybrid.modeling_bailing_hybrid", "glm5_next.modeling_glm5_next",
+)))
 # ------------------------------------------------------------------ Mamba2 / SSD and Mamba1 (conv + scan)
 MAMBA2 = register_adapter(MixerAdapter("mamba2", (
     "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
     "Zamba2MambaMixer",
-), native=native_forward))
-MAMBA = register_adapter(MixerAdapter("mamba", ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
-                                     native=native_forward))
+), native=native_forward, routes=_in(
+    _MAMBA2, "mamba2.modeling_mamba2", "bamba.modeling_bamba", "falcon_h1.modeling_falcon_h1",
+    "granitemoehybrid.modeling_granitemoehybrid", "nemotron_h.modeling_nemotron_h", "zamba2.modeling_zamba2",
+)))
+MAMBA = register_adapter(MixerAdapter(
+    "mamba", ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"), native=native_forward,
+    routes={**_in(_FUSED_MAMBA, "mamba.modeling_mamba", "falcon_mamba.modeling_falcon_mamba", "jamba.modeling_jamba"),
+            **_in(_MAMBA, "zamba.modeling_zamba")},
+))
 # ------------------------------------------------------------------ short / causal convolutions
 SHORT_CONV = register_adapter(MixerAdapter("short_conv", (
     "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv",
-), native=native_forward))
+), native=native_forward, routes=_in(_CONV, "lfm2.modeling_lfm2", "lfm2_moe.modeling_lfm2_moe", "lfm3.modeling_lfm3")))
 INKLING_CONV = register_adapter(MixerAdapter(
     "inkling_conv", ("InklingShortConvolution",),
     notes="generic: its native route agrees with stock only to 1e-9 in float64, unexplained, so not used",
@@ -248,22 +285,6 @@ SHARED_INDEXER_SINK_ATTENTION = register_adapter(MixerAdapter(
     token_args=("position_embeddings", "prev_topk_indices"), output_index=(0, 2), attention="eager",
     per_sample_output=_full_topk_width, notes="as shared_indexer_attention, with sinks and an output gate: eager only",
 ))
-
-TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
-"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
-before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
-crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
-stock); their attention layers run per sample (above) and build their own."""
-
-
-def wants_tensor_mask(config: Any) -> bool:
-    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in TENSOR_MASK_MODELS:
-        return False
-    switch = TENSOR_MASK_MODELS[model_type]
-    return switch is None or bool(getattr(config, switch, False))
-
 
 IMPLEMENTATION_TABLES: dict[str, tuple[str, str]] = {
     "transformers.models.gpt_neo.modeling_gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", "eager"),

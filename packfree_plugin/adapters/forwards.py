@@ -1,7 +1,7 @@
 """Native forwards for mixer families whose transformers code calls no kernel function packfree could route.
 
 MiniMax's lightning attention and RecurrentGemma's RG-LRU block compute their recurrences inline, so the
-native tier cannot reach them through :data:`.routes.ROUTED_FUNCTIONS`. Each forward here is the layer's own
+native tier cannot reach them through :data:`.entry.ROUTED_FUNCTIONS`. Each forward here is the layer's own
 forward with its projections and gates computed by the layer's modules and parameters, and only its
 sequence mixing replaced by packfree's boundary-aware ops (:mod:`packfree_plugin.ops.linear_attention`,
 :mod:`packfree_plugin.ops.lru`, :mod:`packfree_plugin.ops.conv`) on the packed rows: one batched call instead

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..boundaries import Boundaries
+from ..context import tensor_leaves
 
-__all__ = ["length_buckets", "run_unpacked", "tensor_leaves"]
+__all__ = ["length_buckets", "run_unpacked"]
 
 
 def length_buckets(lengths: list[int], *, max_waste: float = 0.25) -> list[list[int]]:
@@ -37,17 +38,6 @@ def length_buckets(lengths: list[int], *, max_waste: float = 0.25) -> list[list[
                 continue
         buckets.append([index])
     return buckets
-
-
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a tree of tuples, lists and dicts, in order."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [leaf for item in tree for leaf in tensor_leaves(item)]
-    if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in tensor_leaves(item)]
-    return []
 
 
 def _map(tree: Any, function: Callable[[torch.Tensor], Any]) -> Any:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import boundaries_for, class_forward_parameters, current
+from ..context import boundaries_here, class_forward_parameters
 
 __all__ = ["first_token_index", "last_token_index", "wrap_heads"]
 
@@ -69,10 +69,9 @@ def _pool(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _packed(hidden: Any) -> Boundaries | None:
     """The forward's boundaries when they pack several samples into a row of ``hidden [B, T, ...]``."""
-    boundaries = current()
-    if boundaries is None or not boundaries.is_packed or not isinstance(hidden, torch.Tensor) or hidden.ndim < 3:
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim < 3:
         return None
-    return boundaries if boundaries.describes(*hidden.shape[:2]) else None
+    return boundaries_here(rows=hidden, packed=True)
 
 
 def _pooler_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -129,8 +128,8 @@ def _labels_per_sample(labels: Any, boundaries: Boundaries, name: str) -> None:
 def _head_forward(model: nn.Module, *args, **kwargs):
     """The forward of a wrapped head (``functools.partial(_head_forward, model)`` in its ``__dict__``)."""
     forward = functools.partial(type(model).forward, model)
-    boundaries = boundaries_for(kwargs)
-    if boundaries is None or not boundaries.is_packed:
+    boundaries = boundaries_here(kwargs, packed=True)
+    if boundaries is None:
         return forward(*args, **kwargs)
     parameters = class_forward_parameters(type(model))
     arguments = parameters.bind((model, *args), kwargs)

@@ -50,10 +50,10 @@ from torch import nn
 
 from ..attention.interface import RELATIVE_POSITION_BIAS
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import class_forward_parameters, current
+from ..context import boundaries_here, class_forward_parameters
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
-from .registry import additive_mask, register_by_class_name
+from .entry import additive_mask, register_by_class_name
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
@@ -217,15 +217,15 @@ def _position_forward(module: nn.Module, *args, **kwargs):
     """The forward every covered embedding module gets, as ``functools.partial(_position_forward, module)``
     in its ``__dict__`` (picklable; a deep copy binds to the copy)."""
     forward = own_forward(module, tag=_TAG)
-    boundaries = current()
-    if boundaries is None or not boundaries.is_packed:
-        return forward(*args, **kwargs)  # one sample per row: the module numbers it as stock does
     parameters = own_parameters(module, tag=_TAG)
     arguments = parameters.bind(args, kwargs)
-    numbering = POSITION_ADAPTERS[type(module).__name__].numbering
     length = _row_length(arguments)
-    if length != boundaries.seq_len:
-        return forward(*args, **kwargs)  # not this forward's packed row (a nested model's own inputs)
+    boundaries = boundaries_here(packed=True, length=length) if length is not None else None
+    if boundaries is None:
+        # one sample per row (the module numbers it as stock does), or not this forward's packed row (a nested
+        # model's own inputs)
+        return forward(*args, **kwargs)
+    numbering = POSITION_ADAPTERS[type(module).__name__].numbering
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
     return _number(numbering, module, functools.partial(forward, **extra), boundaries, arguments)
 
@@ -275,18 +275,20 @@ def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tu
     (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (runs after packfree's model hook has pushed this
     forward's boundaries). ``labels`` are cut by the decoder's own boundaries where the batch has them
     (``decoder_position_ids``), else by the encoder's."""
-    boundaries = current()
     source_name = SHIFTED_DECODER_INPUTS[type(module).__name__]
-    pairing = Seq2SeqBoundaries.of(boundaries)
-    if pairing is not None and source_name == "labels":
-        boundaries = pairing.decoder
-    if boundaries is None or not boundaries.is_packed:
-        return None
     parameters = class_forward_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
     source = arguments.get(source_name)
-    if (not isinstance(source, torch.Tensor) or source.ndim != 2 or not boundaries.describes(*source.shape)
+    if (not isinstance(source, torch.Tensor) or source.ndim != 2
             or any(arguments.get(name) is not None for name in ("decoder_input_ids", "decoder_inputs_embeds"))):
+        return None
+    pairing = Seq2SeqBoundaries.of(boundaries_here())
+    if pairing is not None and source_name == "labels":  # labels are the decoder's rows, cut by its own boundaries
+        decoder = pairing.decoder
+        boundaries = decoder if decoder.is_packed and decoder.describes(*source.shape) else None
+    else:
+        boundaries = boundaries_here(rows=source, packed=True)
+    if boundaries is None:
         return None
     decoder_input_ids = _shift_per_sample(_model_shift(module), source, boundaries, module.config.pad_token_id)
     index = parameters.names.index("decoder_input_ids") - 1  # without self
@@ -378,8 +380,8 @@ def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     mask_name = "encoder_attention_mask" if encoder is not None and "encoder_attention_mask" in parameters.names \
         else "attention_mask"
     mask = arguments.get(mask_name)
-    enclosing = current()
-    packed = enclosing is not None and enclosing.is_packed and enclosing.describes(*hidden.shape[:2])
+    enclosing = boundaries_here(rows=hidden, packed=True)
+    packed = enclosing is not None
     if packed and entry.refused_when is not None and getattr(module, entry.refused_when[0]) == entry.refused_when[1]:
         raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {entry.reason}. Pass one "
                          "sample per row for this model, or shorter packed rows")
@@ -416,8 +418,7 @@ a packed row raises ``ValueError`` with the reason; one sample per row runs them
 
 def _refused_forward(module: nn.Module, *args, **kwargs):
     """A :data:`REFUSED_ON_PACKED_ROWS` layer's forward: its own, unless a packed row is in flight."""
-    boundaries = current()
-    if boundaries is not None and boundaries.is_packed:
+    if boundaries_here(packed=True) is not None:
         name = type(module).__name__
         raise ValueError(f"packfree cannot run {name} on a packed row: {REFUSED_ON_PACKED_ROWS[name]}. Pass one sample "
                          "per row for this model")
@@ -430,9 +431,8 @@ def _sample_bias(module: nn.Module, query_length: int, key_length: int, device: 
     :data:`~packfree_plugin.attention.interface.RELATIVE_POSITION_BIAS` that owns a bias): on a packed row, the bias of
     the longest sample, ``[1, H, L, L]`` instead of ``[1, H, T, T]``; the bias is relative, so every sample's is its
     top-left corner, which packfree's attention takes. Elsewhere the class's own."""
-    boundaries = current()
-    if (boundaries is not None and boundaries.is_packed and past_seen_tokens == 0
-            and query_length == key_length == boundaries.seq_len):
+    boundaries = boundaries_here(packed=True, length=query_length) if past_seen_tokens == 0 else None
+    if boundaries is not None and key_length == query_length:
         query_length = key_length = boundaries.max_seqlen
     return type(module).compute_bias(module, query_length, key_length, device=device, past_seen_tokens=past_seen_tokens)
 

@@ -2,8 +2,8 @@
 
 transformers builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed set of
 module-level kernel functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). The explicit table
-:data:`ROUTED_FUNCTIONS` names them per modeling module, and :func:`install_routes` wraps each in a
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). Each family's entry
+(:mod:`.families`, ``routes``) names them per modeling module, and :func:`install_routes` wraps each in a
 router. Outside a packfree native call the router is transparent (it calls the original). Inside one
 (:func:`native_forward`, which pushes a :class:`~packfree_plugin.context.NativeCall`), it calls the
 matching route of :data:`ROUTED_KERNELS`, which runs packfree's boundary-aware op on that call's
@@ -33,9 +33,9 @@ from .. import backends, opaque
 from ..boundaries import Boundaries
 from ..context import NativeCall, enter_native, exit_native, native_call
 from ..opaque import boundary_function
+from .entry import ROUTED_FUNCTIONS
 
-__all__ = ["ROUTED_FUNCTIONS", "ROUTED_KERNELS", "install_routes", "may_reach_kernels", "native_forward",
-           "uninstall_routes"]
+__all__ = ["ROUTED_KERNELS", "install_routes", "may_reach_kernels", "native_forward", "uninstall_routes"]
 
 _ROUTED_ATTR = "_packfree_routed_original"
 
@@ -197,44 +197,6 @@ ROUTED_KERNELS: dict[str, Callable] = {
 
 
 # ------------------------------------------------------------------------------------ installation
-_CONV = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
-_GATED_DELTA = {**_CONV, "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
-                "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
-_KDA = {**_CONV, "chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "fused_recurrent_kda"}
-_MAMBA2 = {**_CONV, "mamba2_chunk_scan": "mamba_chunk_scan_combined",
-           "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined",
-           "mamba2_selective_state_update": "selective_state_update"}
-_MAMBA = {**_CONV, "mamba_selective_scan": "selective_scan_fn", "mamba_selective_state_update": "selective_state_update"}
-
-ROUTED_FUNCTIONS: dict[str, dict[str, str]] = {
-    # modeling module (under transformers.models) -> {module-level function: the kernel it implements}
-    "qwen3_next.modeling_qwen3_next": _GATED_DELTA,
-    "qwen3_5.modeling_qwen3_5": _GATED_DELTA,
-    "qwen3_5_moe.modeling_qwen3_5_moe": _GATED_DELTA,
-    "qwen4_exp.modeling_qwen4_exp": _GATED_DELTA,
-    "olmo_hybrid.modeling_olmo_hybrid": _GATED_DELTA,
-    "lara_mini.modeling_lara_mini": _GATED_DELTA,
-    "kimi_linear.modeling_kimi_linear": _KDA,
-    "bailing_hybrid.modeling_bailing_hybrid": _KDA,
-    "glm5_next.modeling_glm5_next": _KDA,
-    "mamba2.modeling_mamba2": _MAMBA2,
-    "bamba.modeling_bamba": _MAMBA2,
-    "falcon_h1.modeling_falcon_h1": _MAMBA2,
-    "granitemoehybrid.modeling_granitemoehybrid": _MAMBA2,
-    "nemotron_h.modeling_nemotron_h": _MAMBA2,
-    "zamba2.modeling_zamba2": _MAMBA2,
-    "mamba.modeling_mamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
-    "falcon_mamba.modeling_falcon_mamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
-    "jamba.modeling_jamba": {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"},
-    "zamba.modeling_zamba": _MAMBA,
-    "lfm2.modeling_lfm2": _CONV,
-    "lfm2_moe.modeling_lfm2_moe": _CONV,
-    "lfm3.modeling_lfm3": _CONV,
-}
-"""Every transformers function packfree routes, by modeling module: the functions that module declares with
-``@use_kernel_func_from_hub_with_fallback("<kernel>", ...)`` and calls from its mixers, for the transformers
-range in :mod:`packfree_plugin.compat` (``tests/adapters/test_kernel_table.py`` checks each exists)."""
-
 _PREFIX = "transformers.models."
 
 

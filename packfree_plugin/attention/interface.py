@@ -25,7 +25,7 @@ from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import current, in_prepared_forward
+from ..context import boundaries_here, in_prepared_forward
 from ..opaque import boundary_function
 from ..unpacked import slices_its_mask
 from .reference import AttentionOptions, eager_attention
@@ -214,8 +214,7 @@ def packfree_attention_forward(
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
         return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
-    enclosing = current()
-    if enclosing is not None and enclosing.is_packed and enclosing.seq_len in (query.shape[2], key.shape[2]):
+    if any(boundaries_here(packed=True, length=length) is not None for length in (query.shape[2], key.shape[2])):
         # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
         # per-token attention over earlier layers' states, mixes no samples)
         raise ValueError(
@@ -353,10 +352,22 @@ def _check_pattern(mask_function: Callable) -> None:
         _check_pattern(function)
 
 
-def _wants_tensor_mask(config: object) -> bool:
-    from ..adapters.families import wants_tensor_mask
+TENSOR_MASK_MODELS: dict[str, str | None] = {"mpt": None, "falcon": "alibi"}
+"""Model type -> the config switch (None: always) under which its model code works on the attention mask as a tensor
+before its layers (MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would
+crash. These models get the dense mask of the packed samples instead (transformers' eager form, O(T^2) as on
+stock); their attention layers run per sample (:mod:`..adapters.families`) and build their own."""
 
-    return config is not None and wants_tensor_mask(config)
+
+def _wants_tensor_mask(config: object) -> bool:
+    """Whether a model with ``config`` needs its attention mask as a tensor (:data:`TENSOR_MASK_MODELS`)."""
+    if config is None:
+        return False
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TENSOR_MASK_MODELS:
+        return False
+    switch = TENSOR_MASK_MODELS[model_type]
+    return switch is None or bool(getattr(config, switch, False))
 
 
 def _packed_dense_mask(boundaries: Boundaries, mask_function: Callable | None, dtype: torch.dtype) -> torch.Tensor:
@@ -390,12 +401,11 @@ def packfree_attention_mask(
     at the top is seen) every overlay is refused. A call whose 2-D mask is not the boundaries' padding (a seq2seq
     cross-attention given the encoder's mask) gets stock's mask. A packed seq2seq decoder's cross-attention gets
     the pairing of its samples with the encoder's (:func:`_cross_attention_mask`)."""
-    boundaries = current()
-    pairing = _cross_attention_mask(boundaries, batch_size, q_length, kv_length, mask_function)
+    pairing = _cross_attention_mask(boundaries_here(), batch_size, q_length, kv_length, mask_function)
     if pairing is not None:
         return pairing
-    if boundaries is not None and q_length == kv_length and boundaries.describes(batch_size, q_length) \
-            and _marks_their_padding(boundaries, attention_mask) \
+    boundaries = boundaries_here(rows=(batch_size, q_length)) if q_length == kv_length else None
+    if boundaries is not None and _marks_their_padding(boundaries, attention_mask) \
             and (boundaries.is_packed or not slices_its_mask(kwargs.get("config"))):
         compiling = torch.compiler.is_compiling()
         if not (use_vmap or _widens(mask_function, look_inside=not compiling)):

@@ -7,7 +7,7 @@ model's default ``use_cache``. It runs each sample alone (``input_ids [1, n]``, 
 also gets them as ``decoder_input_ids``, in the packed row too) on a stock twin with the same weights (``sdpa``, else ``eager``) and compares the main output (``logits``, else
 ``last_hidden_state``): a per-token output ``[1, T, ...]`` sample by sample, a pooled one (``[1, C]``) must
 come back once per sample. On a mismatch it names the modules where the packed run first departs from the
-alone runs and, with the perturbation audit of :mod:`packfree_plugin.verify`, those whose outputs crossed
+alone runs and, with the perturbation audit of :mod:`.audit`, those whose outputs crossed
 samples.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
 
 __all__ = ["LENGTHS", "MODES", "Proof", "build_pair", "build_stock", "main_output", "prove", "sample_tokens"]
@@ -131,15 +132,6 @@ def build_stock(cls: type, config) -> tuple[nn.Module, str]:
         return _build(cls, config, "eager"), "eager"
 
 
-def with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` plus, for an encoder-decoder model, ``decoder_input_ids`` equal to its ``input_ids`` (a packed row's
-    decoder then holds the same samples in the same layout as its encoder; many such models take no decoder
-    inputs from nowhere)."""
-    if getattr(model.config, "is_encoder_decoder", False):
-        return {**batch, "decoder_input_ids": batch["input_ids"]}
-    return batch
-
-
 def alone_outputs(stock: nn.Module, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Main output of each sample run alone on ``stock`` (``input_ids [1, n]``, and the same as decoder inputs of an
     encoder-decoder; if stock's default cache raises, once more with ``use_cache=False``), float32."""
@@ -176,10 +168,9 @@ def _compare(packed: torch.Tensor, alone: list[torch.Tensor], lengths: Sequence[
 
 def _first_outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Module name -> first floating tensor of its first call's output (float32), in completion order."""
-    from ..verify import _record
 
     first = {}
-    for name, calls in _record(model, batch).items():
+    for name, calls in record_outputs(model, batch).items():
         floats = [t for t in calls[0] if t.is_floating_point()]
         if floats:
             first[name] = floats[0].float()
@@ -243,7 +234,6 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
 
 
 def _diagnose(proof: Proof, model: nn.Module, stock: nn.Module, samples: Sequence[torch.Tensor], mode: str) -> None:
-    from ..verify import audit
 
     try:
         proof.wrong_modules = _wrong_modules(model, stock, samples, mode)

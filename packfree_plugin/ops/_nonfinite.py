@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor
 
+from packfree_plugin.ops._memo import memo
 from packfree_plugin.ops._seq import first_token_mask
 
 __all__ = ["Quarantine"]
@@ -37,16 +38,14 @@ __all__ = ["Quarantine"]
 def _sample_heads(seq_idx: Tensor) -> Tensor:
     """``seq_idx [B, T]`` -> ``[B * T]`` long: flat index ``b * T + t0`` of the first token of every token's
     sample. Kept on the tensor (every layer of a forward passes the same one)."""
-    key = (tuple(seq_idx.shape), seq_idx._version)
-    cached = seq_idx.__dict__.get("_packfree_sample_heads")
-    if cached is None or cached[0] != key:
+    def build() -> Tensor:
         B, T = seq_idx.shape
         positions = torch.arange(T, device=seq_idx.device).expand(B, T)
         start = torch.where(first_token_mask(seq_idx), positions, torch.zeros_like(positions)).cummax(dim=1).values
         rows = torch.arange(B, device=seq_idx.device)[:, None] * T
-        cached = (key, (start + rows).reshape(-1))
-        seq_idx.__dict__["_packfree_sample_heads"] = cached
-    return cached[1]
+        return (start + rows).reshape(-1)
+
+    return memo(seq_idx, "sample_heads", tuple(seq_idx.shape), build)
 
 
 def _token_sums(t: Tensor, time_dim: int) -> Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._memo import memo
+
 __all__ = [
     "cu_seqlens_to_seq_idx",
     "describe_cu_seqlens",
@@ -39,14 +41,14 @@ def same_sample_as_previous(seq_idx: Tensor, shift: int) -> Tensor:
     return seq_idx[:, shift:] == seq_idx[:, :-shift]
 
 
-_CHECKED = "_packfree_checked_version"
-"""Attribute a checked ``seq_idx`` carries: the tensor version its values were checked at. Every layer of a
-forward passes the same tensor, so its values are read once, not once per layer."""
-
-
 def _check_seq_idx_values(seq_idx: Tensor) -> None:
-    if seq_idx.numel() == 0 or seq_idx.__dict__.get(_CHECKED) == seq_idx._version:
-        return
+    """Raise unless ``seq_idx`` is non-negative and non-decreasing along T; read once per tensor version (every
+    layer of a forward passes the same tensor)."""
+    if seq_idx.numel():
+        memo(seq_idx, "checked", None, lambda: _read_seq_idx_values(seq_idx))
+
+
+def _read_seq_idx_values(seq_idx: Tensor) -> None:
     if bool((seq_idx < 0).any()):
         b, t = (int(v) for v in (seq_idx < 0).nonzero()[0])
         raise ValueError(f"seq_idx must be non-negative; seq_idx[{b}, {t}] = {int(seq_idx[b, t])}")
@@ -57,7 +59,6 @@ def _check_seq_idx_values(seq_idx: Tensor) -> None:
             "seq_idx must be non-decreasing along T; "
             f"row {b} goes {int(seq_idx[b, t])} -> {int(seq_idx[b, t + 1])} at t={t + 1}"
         )
-    seq_idx.__dict__[_CHECKED] = seq_idx._version
 
 
 def check_cu_seqlens_form(cu_seqlens: Tensor, batch: int, device: torch.device) -> None:
@@ -77,32 +78,30 @@ def check_cu_seqlens_form(cu_seqlens: Tensor, batch: int, device: torch.device) 
 def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, total_tokens: int, device: torch.device,
                       validate: bool) -> None:
     check_cu_seqlens_form(cu_seqlens, batch, device)
-    if validate and cu_seqlens.__dict__.get(_CHECKED) != (cu_seqlens._version, total_tokens):
-        first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-        if first != 0 or last != total_tokens:
-            raise ValueError(
-                f"cu_seqlens must start at 0 and end at T={total_tokens}, got {first} ... {last}"
-            )
-        step = cu_seqlens[1:] - cu_seqlens[:-1]
-        if bool((step < 0).any()):
-            i = int((step < 0).nonzero()[0])
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
-                f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}"
-            )
-        cu_seqlens.__dict__[_CHECKED] = (cu_seqlens._version, total_tokens)
+    if validate:
+        memo(cu_seqlens, "checked", total_tokens, lambda: _read_cu_seqlens_values(cu_seqlens, total_tokens))
 
 
-_SEQ_IDX = "_packfree_seq_idx"
-"""Attribute of a ``cu_seqlens`` tensor: ``((version, T), seq_idx [1, T])``, its per-token form."""
+def _read_cu_seqlens_values(cu_seqlens: Tensor, total_tokens: int) -> None:
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != total_tokens:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at T={total_tokens}, got {first} ... {last}"
+        )
+    step = cu_seqlens[1:] - cu_seqlens[:-1]
+    if bool((step < 0).any()):
+        i = int((step < 0).nonzero()[0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
+            f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}"
+        )
 
 
 def describe_cu_seqlens(cu_seqlens: Tensor, seq_idx: Tensor) -> Tensor:
     """Give ``cu_seqlens [N+1]`` its per-token form ``seq_idx [1, T]`` (int32, the same split: what
     :func:`cu_seqlens_to_seq_idx` would compute), for a caller that holds both, built together (packfree's
     boundaries), so that :func:`resolve_seq_idx` does not derive it again. Returns ``cu_seqlens``."""
-    if cu_seqlens.__dict__.get(_SEQ_IDX) is None:
-        cu_seqlens.__dict__[_SEQ_IDX] = ((cu_seqlens._version, seq_idx.shape[-1]), seq_idx)
+    memo(cu_seqlens, "seq_idx", seq_idx.shape[-1], lambda: seq_idx)
     return cu_seqlens
 
 
@@ -136,12 +135,8 @@ def resolve_seq_idx(
             _check_seq_idx_values(seq_idx)
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, batch, total_tokens, device, validate)
-        key = (cu_seqlens._version, total_tokens)
-        cached = cu_seqlens.__dict__.get(_SEQ_IDX)
-        if cached is None or cached[0] != key:  # every layer of a forward passes the same cu_seqlens
-            cached = (key, cu_seqlens_to_seq_idx(cu_seqlens, total_tokens))
-            cu_seqlens.__dict__[_SEQ_IDX] = cached
-        from_cu = cached[1]
+        # every layer of a forward passes the same cu_seqlens
+        from_cu = memo(cu_seqlens, "seq_idx", total_tokens, lambda: cu_seqlens_to_seq_idx(cu_seqlens, total_tokens))
         if seq_idx is None:
             return from_cu
         if validate and not torch.equal(first_token_mask(from_cu), first_token_mask(seq_idx)):

@@ -90,7 +90,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ..verify import verify
+    from .verify import verify
 
     mine, stock = verify(_target(args.model), lengths=_lengths(args.lengths), reference="" if args.no_reference else args.reference)
     print(mine.summary(limit=args.show))

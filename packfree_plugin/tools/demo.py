@@ -21,7 +21,7 @@ Data flows top to bottom:
    The three runs that mix tokens must give the same per-step losses.
 4. :func:`decompose`: the speedup as its parts, stock padded -> packfree padded (bounded by the floor),
    packfree padded -> packfree packed (bounded by the padding ceiling) and their product.
-5. :func:`run_demo`: the runs, the isolation audit of :mod:`packfree_plugin.verify` on the trained model
+5. :func:`run_demo`: the runs, the isolation audit of :mod:`packfree_plugin.gate.audit` on the trained model
    (packfree and stock), a Markdown report and a PNG plot.
 """
 
@@ -332,7 +332,7 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- report
 def _audit_trained(packed_model, config) -> tuple[Any, Any]:
     """The verify leak audit on a float64 copy of the trained weights, under packfree and stock sdpa."""
-    from ..verify import audit
+    from ..gate.audit import audit
 
     state = packed_model.state_dict()
     mine = build_model(config, "packfree", state).double().eval()

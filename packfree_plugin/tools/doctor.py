@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..adapters.entry import MixerAdapter, adapter_for
+
 __all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "plan", "render"]
 
 KERNEL_PACKAGES = {
@@ -80,13 +82,19 @@ def _attention_backend(module: nn.Module, config, device: torch.device, dtype: t
     return choose_backend(query, options, training=True)
 
 
+def _running_adapter(cls: type) -> MixerAdapter | None:
+    """The adapter that runs layers of class ``cls`` (None: none does; a refused class is refused at load)."""
+    adapter = adapter_for(cls)
+    return adapter if adapter is not None and not adapter.refused else None
+
+
 def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = None) -> list[LayerPlan]:
     """Per sequence-mixing layer of ``target`` (model directory or model type): backend and boundary safety.
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from ..adapters import encoders, families  # noqa: F401  (fill REGISTRY)
-    from ..adapters.registry import _looks_like_a_mixer, adapter_for
+    from ..adapters import families
+    from ..adapters.mixers import _looks_like_a_mixer
     from ..tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -100,7 +108,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
         if any(path.startswith(prefix + ".") for prefix in inside):
             continue
         name = type(module).__name__
-        adapter = adapter_for(type(module))
+        adapter = _running_adapter(type(module))
         if adapter is not None:
             inside.append(path)
             attention = getattr(adapter, "attention", None)
@@ -109,7 +117,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
             plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True, compiled=compiled))
         elif _is_attention(module):
             # an attention layer holding an adapted mixer (e.g. ZAYA's conv projection) lists that mixer too
-            if not any(adapter_for(type(child)) is not None for child in module.modules()):
+            if not any(_running_adapter(type(child)) is not None for child in module.modules()):
                 inside.append(path)
             backend = _attention_backend(module, model.config, run_device, run_dtype)
             plans.append(LayerPlan(path, name, "attention", backend, True))

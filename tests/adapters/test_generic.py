@@ -73,7 +73,7 @@ def test_hybrid_packed_row_equals_each_sample_alone(model_type: str) -> None:
 
 
 def test_unknown_sequence_mixer_is_refused_at_load() -> None:
-    from packfree_plugin.adapters.registry import check_coverage
+    from packfree_plugin.adapters.mixers import check_coverage
 
     class MysteryMixer(torch.nn.Module):
         def __init__(self) -> None:

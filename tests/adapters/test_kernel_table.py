@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from packfree_plugin.adapters import families, registry  # noqa: F401 - families fills the registry
-from packfree_plugin.adapters.routes import ROUTED_FUNCTIONS, ROUTED_KERNELS
+from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the registry
+from packfree_plugin.adapters.entry import ROUTED_FUNCTIONS
+from packfree_plugin.adapters.routes import ROUTED_KERNELS
 
 MODELS = Path(transformers.__file__).parent / "models"
 
@@ -31,9 +32,9 @@ ABSENT_HERE = {folder for folder in NEWER_THAN_OLDEST_RELEASE if not (MODELS / f
 def _defining_modules() -> dict[str, str]:
     """Layer class name -> the modeling module that defines it, for every class the registry names (a name qualified
     by its model folder, ``"openai.Attention"``, only in that folder's modeling module)."""
-    wanted = {name for name in registry.REGISTRY if "." not in name}
+    wanted = {name for name in entry.REGISTRY if "." not in name}
     found: dict[str, str] = {}
-    for qualified in set(registry.REGISTRY) - wanted:
+    for qualified in set(entry.REGISTRY) - wanted:
         folder, name = qualified.split(".")
         for path in (MODELS / folder).glob("modeling_*.py"):
             if re.search(rf"^class {name}\(", path.read_text(encoding="utf-8"), re.MULTILINE):
@@ -48,7 +49,7 @@ def _defining_modules() -> dict[str, str]:
 def test_every_adapted_layer_class_exists() -> None:
     defined = _defining_modules()
     absent = {name for folder in ABSENT_HERE for name in NEWER_THAN_OLDEST_RELEASE[folder]}
-    missing = sorted(set(registry.REGISTRY) - set(defined) - absent)
+    missing = sorted(set(entry.REGISTRY) - set(defined) - absent)
     assert not missing, f"layer classes packfree adapts but transformers {transformers.__version__} lacks: {missing}"
     for name, module in defined.items():
         cls = getattr(importlib.import_module(module), name.split(".")[-1], None)
@@ -63,15 +64,15 @@ def test_every_routed_function_exists(module_name: str) -> None:
         assert kernel in ROUTED_KERNELS, f"{function} maps to {kernel}, which packfree has no route for"
 
 
-def test_every_native_adapter_has_its_module_in_the_table() -> None:
-    """A native adapter whose modeling module is missing from the table would route nothing and be refused at
-    every packed call; catch that here."""
+def test_every_native_adapter_routes_the_module_of_each_of_its_classes() -> None:
+    """A routed family whose entry misses the modeling module of one of its classes would route nothing there and be
+    refused at every packed call; catch that here."""
     from packfree_plugin.adapters.routes import native_forward
 
     defined = _defining_modules()
-    for name, adapter in registry.REGISTRY.items():
+    for name, adapter in entry.REGISTRY.items():
         if adapter.native is native_forward and name in defined:
-            assert defined[name].removeprefix("transformers.models.") in ROUTED_FUNCTIONS, name
+            assert defined[name].removeprefix("transformers.models.") in adapter.routes, name
 
 
 def test_a_missing_routed_function_is_refused(monkeypatch) -> None:

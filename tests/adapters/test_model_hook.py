@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packfree_plugin.context import current
+from packfree_plugin.context import boundaries_here
 from tests.e2e.conftest import fresh_pair
 
 
@@ -19,9 +19,9 @@ def test_a_refused_batch_leaves_nothing_behind(model_type: str) -> None:
         with pytest.raises(ValueError, match="cu_seqlens"):
             model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
                   cu_seq_lens_k=torch.tensor([0, 4, 9], dtype=torch.int32))
-        assert current() is None
+        assert boundaries_here() is None
         assert torch.equal(model(input_ids=ids, cu_seq_lens_q=good, cu_seq_lens_k=good).logits, expected)
-    assert current() is None
+    assert boundaries_here() is None
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2"])
@@ -52,4 +52,4 @@ def test_boundaries_that_do_not_fit_the_tokens_are_refused() -> None:
         model(input_ids=ids, packfree_boundaries=Boundaries([0, 8, 16], batch_size=1, seq_len=16, device="cpu"))
     with torch.no_grad(), pytest.raises(ValueError, match="must be a packfree_plugin.Boundaries"):
         model(input_ids=ids, packfree_boundaries=[0, 8, 17])
-    assert current() is None
+    assert boundaries_here() is None

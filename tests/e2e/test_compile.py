@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import packfree_plugin
 from packfree_plugin.tiny import tiny_config
-from packfree_plugin.verify import packed_row
+from packfree_plugin.gate.audit import packed_row
 from tests.conftest import CountingBackend, assert_close
 from tests.e2e.conftest import fresh_pair, samples_of
 from tests.models.test_hybrids import tolerance

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from packfree_plugin.verify import packed_row
+from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close
 from tests.e2e.conftest import fresh_pair, samples_of
 

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-from packfree_plugin.verify import packed_row
+from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close
 from tests.e2e.conftest import fresh_pair, samples_of
 

@@ -11,8 +11,8 @@ from transformers import DataCollatorWithFlattening
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import MODES, build_pair, main_output, packed_batch, prove, sample_tokens
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.context import current
-from packfree_plugin.verify import audit
+from packfree_plugin.context import boundaries_here
+from packfree_plugin.gate.audit import audit
 from tests.gate.conftest import RowPoolingBert
 
 
@@ -78,7 +78,7 @@ def test_an_exception_on_the_packed_row_is_the_verdict(monkeypatch) -> None:
     original = modeling_llama.LlamaMLP.forward
 
     def planted(self, x):
-        boundaries = current()
+        boundaries = boundaries_here()
         if boundaries is not None and boundaries.is_packed:
             raise RuntimeError("planted failure on a packed row")
         return original(self, x)

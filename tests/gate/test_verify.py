@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from packfree_plugin.tools.cli import main
-from packfree_plugin.verify import verify
+from packfree_plugin.tools.verify import verify
 
 
 def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys, roberta_without_positions) -> None:

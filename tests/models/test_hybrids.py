@@ -22,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import packfree_plugin
-from packfree_plugin.adapters.registry import check_coverage
+from packfree_plugin.adapters.mixers import check_coverage
 from tests.conftest import assert_close, print_uncaptured
 from packfree_plugin.catalogue import CATALOGUE, catalogue_config
 
@@ -250,10 +250,13 @@ def test_packed_row_equals_alone_for_any_lengths(model_type: str, lengths: list[
 
 
 def test_a_refused_layer_class_raises_at_load_with_its_reason(monkeypatch) -> None:
-    from packfree_plugin.adapters import families
+    import dataclasses
+
+    from packfree_plugin.adapters.entry import REGISTRY
 
     packfree_plugin.register()
-    monkeypatch.setitem(families.REFUSED, "Lfm2ShortConv", "no exact packed path (test)")
+    monkeypatch.setitem(REGISTRY, "Lfm2ShortConv",
+                        dataclasses.replace(REGISTRY["Lfm2ShortConv"], refused="no exact packed path (test)"))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv \(no exact packed path \(test\)\)"):
         AutoModelForCausalLM.from_config(catalogue_config("lfm2"), attn_implementation="packfree")
 

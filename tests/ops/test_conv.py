@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from packfree_plugin.ops import _seq
 from packfree_plugin.ops.conv import causal_conv1d, naive_causal_conv1d
 from packfree_plugin.ops.conv import fast as conv_masked
+from tests.ops.harness import (
+    assert_close, assert_isolated, assert_same_grads, cu_seqlens_of, draw_rows, per_sample, seq_idx_of,
+)
 
 F64 = torch.float64
 
@@ -26,16 +29,16 @@ def _inputs(T: int, B: int, C: int, K: int, bias: bool, seed: int = 0, dtype=F64
 
 @pytest.mark.parametrize("path", ["boundary rows", "dense masks", "spread"])  # every path on every run
 @given(data=st.data())
-def test_packed_matches_per_sample(kit, path, data):
+def test_packed_matches_per_sample(path, data):
     K = data.draw(st.integers(1, 4), label="K")
-    rows = kit.draw_rows(data, chunk=max(K, 2))
-    seq_idx = kit.seq_idx_of(rows)
+    rows = draw_rows(data, chunk=max(K, 2))
+    seq_idx = seq_idx_of(rows)
     B, T = seq_idx.shape
     act = data.draw(st.sampled_from([None, "silu"]), label="activation")
     x, w, b = _inputs(T, B, 3, K, bias=data.draw(st.booleans(), label="bias"))
     kw = {"seq_idx": seq_idx}
     if B == 1 and data.draw(st.booleans(), label="cu_seqlens"):
-        kw = {"cu_seqlens": kit.cu_seqlens_of(rows[0], data.draw(st.sampled_from([torch.int32, torch.int64])))}
+        kw = {"cu_seqlens": cu_seqlens_of(rows[0], data.draw(st.sampled_from([torch.int32, torch.int64])))}
     tiny_tiles = data.draw(st.booleans(), label="tiny_tiles")  # many tiles of 4K tokens
     dense = path == "dense masks"  # the no-host-sync path of non-CPU devices
     spread = path == "spread"  # small rows: K - 1 zero tokens before every sample
@@ -45,25 +48,25 @@ def test_packed_matches_per_sample(kit, path, data):
     conv_masked._SPREAD_UP_TO_BYTES = saved[2] if spread else 0
     try:
         out = causal_conv1d(x, w, b, activation=act, backend="torch", **kw)
-        ref = kit.per_sample(lambda xs: naive_causal_conv1d(xs, w, b, activation=act), rows, [(x, 1)], 1)
+        ref = per_sample(lambda xs: naive_causal_conv1d(xs, w, b, activation=act), rows, [(x, 1)], 1)
         inputs = {"x": x, "weight": w} | ({"bias": b} if b is not None else {})
-        kit.assert_same_grads(out, ref, inputs)
+        assert_same_grads(out, ref, inputs)
         # the naive reference's own seq_idx handling agrees with the per-sample split too
-        kit.assert_close(naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), ref, "naive")
+        assert_close(naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), ref, "naive")
         r = data.draw(st.integers(0, B - 1), label="iso_row")
         s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
-        kit.assert_isolated(out, 1, seq_idx, {"x": (x, 1)}, r, s)
+        assert_isolated(out, 1, seq_idx, {"x": (x, 1)}, r, s)
     finally:
         conv_masked._TILE_BYTES, conv_masked._SPARSE_ON_CPU, conv_masked._SPREAD_UP_TO_BYTES = saved
 
 
-def test_no_boundaries_is_plain_causal_conv(kit):
+def test_no_boundaries_is_plain_causal_conv():
     x, w, b = _inputs(37, 2, 5, 4, bias=True)
     out = causal_conv1d(x, w, b, activation="silu")
     ref = torch.nn.functional.silu(
         torch.nn.functional.conv1d(x.transpose(1, 2), w[:, None], b, padding=3, groups=5)[..., :37]
     ).transpose(1, 2)
-    kit.assert_close(out, ref)
+    assert_close(out, ref)
 
 
 def test_boundary_helpers_are_device_side_and_exact():
@@ -98,13 +101,13 @@ def _fake_causal_conv1d(calls: list, expected_seq: torch.Tensor | None):
 
 
 @pytest.mark.parametrize("via", ["seq_idx", "cu_seqlens", "none"])
-def test_routes_to_causal_conv1d_with_boundaries(kit, route_to, via):
+def test_routes_to_causal_conv1d_with_boundaries(route_to, via):
     lengths = [5, 1, 9, 3]
-    seq = kit.seq_idx_of([lengths])
+    seq = seq_idx_of([lengths])
     calls: list = []
     route_to({"causal_conv1d": {"causal_conv1d_fn": _fake_causal_conv1d(calls, None if via == "none" else seq)}})
     x, w, b = _inputs(18, 1, 16, 4, bias=True, dtype=torch.float32)
-    kw = {"seq_idx": seq} if via == "seq_idx" else {"cu_seqlens": kit.cu_seqlens_of(lengths)} if via == "cu_seqlens" else {}
+    kw = {"seq_idx": seq} if via == "seq_idx" else {"cu_seqlens": cu_seqlens_of(lengths)} if via == "cu_seqlens" else {}
     out = causal_conv1d(x, w, b, activation="silu", **kw)
     assert calls == [dict(activation="silu")]
     assert out.shape == x.shape
@@ -183,17 +186,17 @@ def test_bad_inputs_raise_value_error(case):
         causal_conv1d(x, w, b, **kw)
 
 
-def test_agreeing_seq_idx_and_cu_seqlens_are_accepted(kit):
+def test_agreeing_seq_idx_and_cu_seqlens_are_accepted():
     x, w, b = _inputs(6, 1, 4, 3, bias=True)
     seq = torch.tensor([[0, 0, 1, 1, 1, 2]], dtype=torch.int32)
     out = causal_conv1d(x, w, b, seq_idx=seq, cu_seqlens=torch.tensor([0, 2, 5, 6]))
-    kit.assert_close(out, causal_conv1d(x, w, b, seq_idx=seq))
+    assert_close(out, causal_conv1d(x, w, b, seq_idx=seq))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+def test_low_precision_inputs_keep_their_dtype(dtype):
     x, w, b = (t.detach() for t in _inputs(21, 1, 8, 4, bias=True))
-    seq = kit.seq_idx_of([[5, 1, 15]])
+    seq = seq_idx_of([[5, 1, 15]])
     want = causal_conv1d(x, w, b, activation="silu", seq_idx=seq)
     got = causal_conv1d(x.to(dtype), w.to(dtype), b.to(dtype), activation="silu", seq_idx=seq)
     assert got.dtype == dtype

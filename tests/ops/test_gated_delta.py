@@ -20,7 +20,7 @@ from packfree_plugin.ops.gated_delta import (
     naive_gated_delta_rule,
     naive_kda,
 )
-from tests.ops.chunked_harness import F64, assert_close, cu_of, sample_lengths, grads
+from tests.ops.harness import F64, assert_close, cu_seqlens_of, sample_lengths, grads
 
 
 
@@ -80,7 +80,7 @@ FAMILIES = {
 def test_packed_matches_per_sample_naive(family, lengths, chunk, seed, l2norm, with_h0, scale):
     per_channel, fast, naive = FAMILIES[family]
     inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed, with_h0=with_h0)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=l2norm, **opts)
     o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=chunk, **kw)
     # Reference: each sample alone, then concatenated.
@@ -97,20 +97,20 @@ def test_packed_matches_per_sample_naive(family, lengths, chunk, seed, l2norm, w
     assert_close(final, ref_f)
     names, leaves = leaves_of(inp, opts)
     for name, got, want in zip(names, grads(o, final, leaves), grads(ref_o, ref_f, leaves)):
-        assert_close(got, want, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_close(got, want, what=f"grad {name}")
 
 
 @given(lengths=sample_lengths(16), seed=st.integers(0, 2**16))
 def test_kda_gate_in_kernel_matches_naive(lengths, seed):
     inp, opts = make_inputs(lengths, per_channel=True, seed=seed, gate_in_kernel=True)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     o, f = chunk_kda_torch(*inp.values(), cu_seqlens=cu, output_final_state=True, chunk_size=16, **opts)
     ro, rf = naive_kda(*inp.values(), cu_seqlens=cu, output_final_state=True, **opts)
     assert_close(o, ro)
     assert_close(f, rf)
     names, leaves = leaves_of(inp, opts)
     for name, got, want in zip(names, grads(o, f, leaves), grads(ro, rf, leaves)):
-        assert_close(got, want, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_close(got, want, what=f"grad {name}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -120,7 +120,7 @@ def test_gradient_isolation(family, lengths, seed, data):
     j = data.draw(st.integers(0, len(lengths) - 1), label="sample")
     # without initial states samples share chunks; with them chunks start on sample starts
     inp, opts = make_inputs(lengths, per_channel=per_channel, seed=seed, with_h0=data.draw(st.booleans(), label="h0"))
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     o, final = fast(*inp.values(), cu_seqlens=cu, chunk_size=8, output_final_state=True,
                     use_qk_l2norm_in_kernel=True, **opts)
     lo, hi = int(cu[j]), int(cu[j + 1])
@@ -148,8 +148,8 @@ def test_unsplit_batch_rows_are_samples_and_empty_samples_keep_state(family):
     # Empty samples (repeated offsets) are allowed: their final state is their initial state.
     lengths = [0, 5, 0, 9]
     inp, opts = make_inputs(lengths, per_channel=per_channel)
-    o, f = fast(*inp.values(), cu_seqlens=cu_of(lengths), output_final_state=True, **opts)
-    ro, rf = naive(*inp.values(), cu_seqlens=cu_of(lengths), output_final_state=True, **opts)
+    o, f = fast(*inp.values(), cu_seqlens=cu_seqlens_of(lengths), output_final_state=True, **opts)
+    ro, rf = naive(*inp.values(), cu_seqlens=cu_seqlens_of(lengths), output_final_state=True, **opts)
     assert_close(o, ro)
     assert_close(f, rf)
     assert_close(f[0], opts["initial_state"][0])
@@ -159,8 +159,8 @@ def test_unsplit_batch_rows_are_samples_and_empty_samples_keep_state(family):
 def test_low_precision_inputs_accumulate_in_float32(dtype):
     inp, opts = make_inputs([40, 90, 3], per_channel=False, seed=3)
     low = {n: t.detach().to(dtype) for n, t in inp.items()}
-    o, f = chunk_gated_delta_rule(*low.values(), cu_seqlens=cu_of([40, 90, 3]), output_final_state=True)
-    ro, rf = naive_gated_delta_rule(*(t.double() for t in low.values()), cu_seqlens=cu_of([40, 90, 3]),
+    o, f = chunk_gated_delta_rule(*low.values(), cu_seqlens=cu_seqlens_of([40, 90, 3]), output_final_state=True)
+    ro, rf = naive_gated_delta_rule(*(t.double() for t in low.values()), cu_seqlens=cu_seqlens_of([40, 90, 3]),
                                     output_final_state=True)
     assert o.dtype == dtype and f.dtype == torch.float32
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -174,8 +174,8 @@ def test_kda_strong_decay_stays_finite():
     x = {n: t.detach().float() for n, t in inp.items()}
     x["g"] = torch.full_like(x["g"], -30.0)
     x["g"][..., ::2] = -0.01
-    o, f = chunk_kda(*x.values(), cu_seqlens=cu_of([100, 30]), output_final_state=True)
-    ro, rf = naive_kda(*(t.double() for t in x.values()), cu_seqlens=cu_of([100, 30]), output_final_state=True)
+    o, f = chunk_kda(*x.values(), cu_seqlens=cu_seqlens_of([100, 30]), output_final_state=True)
+    ro, rf = naive_kda(*(t.double() for t in x.values()), cu_seqlens=cu_seqlens_of([100, 30]), output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(f).all()
     assert_close(o.double(), ro, rtol=1e-4, atol=1e-4)
 
@@ -247,13 +247,13 @@ CONTRACT_CASES = {"N3-T29-H2": [1, 20, 8], "N1-T7-H2": [7]}
 def test_fla_route_receives_int32_cu_seqlens_and_flat_row(fake_fla, family, lengths, cu_dtype):
     per_channel = FAMILIES[family][0]
     public, naive = (chunk_kda, naive_kda) if per_channel else (chunk_gated_delta_rule, naive_gated_delta_rule)
-    fake = fake_fla(cu_of(lengths, torch.int32).tolist())
+    fake = fake_fla(cu_seqlens_of(lengths, torch.int32).tolist())
     inp, opts = make_inputs(lengths, per_channel=per_channel, gate_in_kernel=per_channel)
     x = {n: t.detach().bfloat16() for n, t in inp.items()}
     o_opts = {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
-    o, f = public(*x.values(), cu_seqlens=cu_of(lengths, cu_dtype), output_final_state=True, **o_opts)
+    o, f = public(*x.values(), cu_seqlens=cu_seqlens_of(lengths, cu_dtype), output_final_state=True, **o_opts)
     assert fake.calls == [family]
-    ro, rf = naive(*x.values(), cu_seqlens=cu_of(lengths), output_final_state=True,
+    ro, rf = naive(*x.values(), cu_seqlens=cu_seqlens_of(lengths), output_final_state=True,
                    **{**o_opts, "initial_state": o_opts["initial_state"].float()})
     assert_close(o, ro, rtol=0, atol=0)
     assert_close(f, rf, rtol=0, atol=0)
@@ -271,21 +271,21 @@ def test_fla_route_is_skipped_off_cuda_for_float32_and_when_fla_missing(fake_fla
     inp, _ = make_inputs([5, 6], per_channel=False)
     x = {n: t.detach() for n, t in inp.items()}
     fake = fake_fla([0, 5, 11], on_cuda=False)
-    chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_of([5, 6]))
+    chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_seqlens_of([5, 6]))
     assert fake.calls == []  # not on CUDA
     fake = fake_fla([0, 5, 11], on_cuda=True)
-    chunk_gated_delta_rule(*(t.float() for t in x.values()), cu_seqlens=cu_of([5, 6]))
+    chunk_gated_delta_rule(*(t.float() for t in x.values()), cu_seqlens=cu_seqlens_of([5, 6]))
     assert fake.calls == []  # fla refuses float32: auto takes the torch path
-    chunk_gated_delta_rule(*x.values(), cu_seqlens=cu_of([5, 6]), backend="kernel")
+    chunk_gated_delta_rule(*x.values(), cu_seqlens=cu_seqlens_of([5, 6]), backend="kernel")
     assert fake.calls == ["gdn"]  # forced
-    chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_of([5, 6]), backend="torch")
+    chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_seqlens_of([5, 6]), backend="torch")
     assert fake.calls == ["gdn"]
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # import now fails
     backends.load_kernel.cache_clear()
-    o, _ = chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_of([5, 6]))
+    o, _ = chunk_gated_delta_rule(*(t.bfloat16() for t in x.values()), cu_seqlens=cu_seqlens_of([5, 6]))
     assert o.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="does not import"):
-        chunk_gated_delta_rule(*x.values(), cu_seqlens=cu_of([5, 6]), backend="kernel")
+        chunk_gated_delta_rule(*x.values(), cu_seqlens=cu_seqlens_of([5, 6]), backend="kernel")
 
 
 def test_fla_route_validates_before_calling(fake_fla):
@@ -328,7 +328,7 @@ def test_bad_boundary_arguments_raise(family, case):
     x, h0 = _good(per_channel)
     kw, match = _bad_cases()[case]
     if kw.get("initial_state") == "wrong-N":
-        kw = dict(cu_seqlens=cu_of([3, 4]), initial_state=torch.cat([h0, h0]))
+        kw = dict(cu_seqlens=cu_seqlens_of([3, 4]), initial_state=torch.cat([h0, h0]))
     with pytest.raises(ValueError, match=match):
         public(*x.values(), **kw)
 
@@ -338,7 +338,7 @@ def test_bad_tensor_arguments_raise(family):
     per_channel = FAMILIES[family][0]
     public = chunk_kda if per_channel else chunk_gated_delta_rule
     x, _ = _good(per_channel)
-    cu = cu_of([3, 4])
+    cu = cu_seqlens_of([3, 4])
 
     def call(**over):
         return public(*{**x, **over}.values(), cu_seqlens=over.pop("cu", cu))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from packfree_plugin.ops.linear_attention import chunk_linear_attention, naive_linear_attention
-from tests.ops.chunked_harness import F64, assert_close, cu_of, sample_lengths, grads
+from tests.ops.harness import F64, assert_close, cu_seqlens_of, sample_lengths, grads
 
 
 
@@ -47,7 +47,7 @@ def leaves_of(*dicts):
        gate=st.booleans(), gamma=st.booleans(), with_h0=st.booleans(), scale=st.sampled_from([None, 1.0]))
 def test_packed_matches_per_sample_naive(lengths, chunk, seed, gate, gamma, with_h0, scale):
     inp, opts = make_inputs(lengths, gate=gate, gamma=gamma, with_h0=with_h0, seed=seed)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     o, f = chunk_linear_attention(*inp.values(), cu_seqlens=cu, chunk_size=chunk, scale=scale,
                                   output_final_state=True, **opts)
     ref_o, ref_f = [], []
@@ -64,14 +64,14 @@ def test_packed_matches_per_sample_naive(lengths, chunk, seed, gate, gamma, with
     assert_close(f, ref_f)
     names, leaves = leaves_of(inp, opts)
     for name, got, want in zip(names, grads(o, f, leaves), grads(ref_o, ref_f, leaves)):
-        assert_close(got, want, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_close(got, want, what=f"grad {name}")
 
 
 @given(lengths=sample_lengths(8).filter(lambda ls: len(ls) > 1), seed=st.integers(0, 2**16), data=st.data())
 def test_gradient_isolation(lengths, seed, data):
     j = data.draw(st.integers(0, len(lengths) - 1), label="sample")
     inp, opts = make_inputs(lengths, gate=True, gamma=True, with_h0=True, seed=seed)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     o, f = chunk_linear_attention(*inp.values(), cu_seqlens=cu, chunk_size=8, output_final_state=True, **opts)
     lo, hi = int(cu[j]), int(cu[j + 1])
     names, leaves = leaves_of(inp, opts)
@@ -109,8 +109,8 @@ def test_unsplit_batch_rows_and_empty_samples():
     assert_close(f, rf)
     lengths = [0, 6, 0]
     inp, opts = make_inputs(lengths, gate=True, gamma=True, with_h0=True)
-    o, f = chunk_linear_attention(*inp.values(), cu_seqlens=cu_of(lengths), output_final_state=True, **opts)
-    ro, rf = naive_linear_attention(*inp.values(), cu_seqlens=cu_of(lengths), output_final_state=True, **opts)
+    o, f = chunk_linear_attention(*inp.values(), cu_seqlens=cu_seqlens_of(lengths), output_final_state=True, **opts)
+    ro, rf = naive_linear_attention(*inp.values(), cu_seqlens=cu_seqlens_of(lengths), output_final_state=True, **opts)
     assert_close(o, ro)
     assert_close(f, rf)
 
@@ -141,7 +141,7 @@ def test_bad_arguments_raise(case):
 def test_bad_tensors_raise():
     inp, _ = make_inputs([3, 4], gate=False, gamma=False, with_h0=False)
     q, k, v = (t.detach() for t in list(inp.values())[:3])
-    cu = cu_of([3, 4])
+    cu = cu_seqlens_of([3, 4])
     with pytest.raises(ValueError, match="batch size must be 1"):
         chunk_linear_attention(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), cu_seqlens=cu)
     with pytest.raises(ValueError, match="k must have the shape of q"):

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from packfree_plugin.ops.lru import linear_recurrence, naive_linear_recurrence
-from tests.ops.chunked_harness import F64, assert_close, cu_of, sample_lengths
+from tests.ops.harness import F64, assert_close, cu_seqlens_of, sample_lengths
 
 
 
@@ -34,7 +34,7 @@ def make_inputs(lengths, *, with_h0, D=5, seed=0, signed=True):
        with_h0=st.booleans())
 def test_packed_matches_per_sample_naive(lengths, chunk, seed, with_h0):
     a, b, h0 = make_inputs(lengths, with_h0=with_h0, seed=seed)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     h, f = linear_recurrence(a, b, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=chunk)
     ref_h, ref_f = [], []
     for i in range(len(lengths)):
@@ -52,7 +52,7 @@ def test_packed_matches_per_sample_naive(lengths, chunk, seed, with_h0):
     got = torch.autograd.grad((h * wh).sum() + (f * wf).sum(), leaves, materialize_grads=True)
     want = torch.autograd.grad((ref_h * wh).sum() + (ref_f * wf).sum(), leaves, materialize_grads=True)
     for name, g1, g2 in zip("abh", got, want):
-        assert_close(g1, g2, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_close(g1, g2, what=f"grad {name}")
 
 
 @given(lengths=sample_lengths(4, allow_empty=True, long_chunks=(4, 6)).filter(lambda ls: sum(1 for n in ls if n) > 1), seed=st.integers(0, 2**16),
@@ -60,7 +60,7 @@ def test_packed_matches_per_sample_naive(lengths, chunk, seed, with_h0):
 def test_gradient_isolation(lengths, seed, data):
     j = data.draw(st.sampled_from([i for i, n in enumerate(lengths) if n]), label="sample")
     a, b, h0 = make_inputs(lengths, with_h0=True, seed=seed)
-    cu = cu_of(lengths)
+    cu = cu_seqlens_of(lengths)
     h, f = linear_recurrence(a, b, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=4)
     lo, hi = int(cu[j]), int(cu[j + 1])
     ga, gb, gh = torch.autograd.grad((h[:, lo:hi] * 1.3).sum() + f[j].sum(), [a, b, h0], materialize_grads=True)
@@ -81,7 +81,7 @@ def test_matches_recurrent_gemma_reset_scan():
     for t in range(b.shape[1]):
         h = a_reset[:, t] * h + b[:, t]
         ref.append(h)
-    out, _ = linear_recurrence(a, b, cu_seqlens=cu_of(lengths))
+    out, _ = linear_recurrence(a, b, cu_seqlens=cu_seqlens_of(lengths))
     assert_close(out, torch.stack(ref, 1))
 
 
@@ -121,7 +121,7 @@ def test_bad_arguments_raise(case):
 
 def test_bad_tensors_raise():
     a, b, _ = make_inputs([3, 4], with_h0=False)
-    cu = cu_of([3, 4])
+    cu = cu_seqlens_of([3, 4])
     with pytest.raises(ValueError, match="batch size must be 1"):
         linear_recurrence(torch.cat([a, a]), torch.cat([b, b]), cu_seqlens=cu)
     with pytest.raises(ValueError, match="b must have the shape of a"):

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from packfree_plugin.ops.selective_scan import linear_scan, selective_scan, naive_selective_scan
 from packfree_plugin.ops.selective_scan import fast as ss_scan
+from tests.ops.harness import (
+    assert_close, assert_isolated, assert_same_grads, cu_seqlens_of, draw_rows, per_sample, seq_idx_of,
+)
 
 F64 = torch.float64
 
@@ -33,10 +36,10 @@ TIME_DIM = {"u": 2, "delta": 2, "B": -1, "C": -1, "z": 2}
 
 
 @given(data=st.data())
-def test_packed_matches_per_sample(kit, data):
+def test_packed_matches_per_sample(data):
     small_blocks = data.draw(st.booleans(), label="small_blocks")  # blocks of 16 tokens
-    rows = kit.draw_rows(data, 16 if small_blocks else 5)
-    seq_idx = kit.seq_idx_of(rows)
+    rows = draw_rows(data, 16 if small_blocks else 5)
+    seq_idx = seq_idx_of(rows)
     Bsz, T = seq_idx.shape
     G = data.draw(st.sampled_from([None, 1, 2]), label="G")
     t = _inputs(Bsz, T, G=G, D=data.draw(st.booleans(), label="D"), z=data.draw(st.booleans(), label="z"),
@@ -44,7 +47,7 @@ def test_packed_matches_per_sample(kit, data):
     softplus = data.draw(st.booleans(), label="softplus")
     bounds = {"seq_idx": seq_idx}
     if Bsz == 1 and data.draw(st.booleans(), label="cu_seqlens"):
-        bounds = {"cu_seqlens": kit.cu_seqlens_of(rows[0])}
+        bounds = {"cu_seqlens": cu_seqlens_of(rows[0])}
     dense = data.draw(st.booleans(), label="dense_resets")  # the no-host-sync path of other devices
     saved = ss_scan._BLOCK_BYTES, ss_scan._SPARSE_ON_CPU
     ss_scan._BLOCK_BYTES = 1 if small_blocks else saved[0]
@@ -56,18 +59,18 @@ def test_packed_matches_per_sample(kit, data):
         ss_scan._BLOCK_BYTES, ss_scan._SPARSE_ON_CPU = saved
     shared = dict(D=t["D"], delta_bias=t["delta_bias"], delta_softplus=softplus)
     bc_dim = t["B"].dim() - 1
-    ref = kit.per_sample(
+    ref = per_sample(
         lambda u, delta, B, C, z: naive_selective_scan(u, delta, t["A"], B, C, z=z, **shared),
         rows, [(t["u"], 2), (t["delta"], 2), (t["B"], bc_dim), (t["C"], bc_dim), (t["z"], 2)], 2)
-    kit.assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
+    assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
     r = data.draw(st.integers(0, Bsz - 1), label="iso_row")
     s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
-    kit.assert_isolated(out, 2, seq_idx,
+    assert_isolated(out, 2, seq_idx,
                         {k: (t[k], d % t[k].dim()) for k, d in TIME_DIM.items() if t[k] is not None}, r, s)
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 16, 40])
-def test_linear_scan_matches_a_python_loop_and_gradchecks(kit, T):
+def test_linear_scan_matches_a_python_loop_and_gradchecks(T):
     gen = torch.Generator().manual_seed(T)
     a = torch.rand(2, T, 3, generator=gen, dtype=F64).requires_grad_()
     b = torch.randn(2, T, 3, generator=gen, dtype=F64).requires_grad_()
@@ -76,7 +79,7 @@ def test_linear_scan_matches_a_python_loop_and_gradchecks(kit, T):
     for i in range(T):
         h = a[:, i] * h + b[:, i]
         want.append(h)
-    kit.assert_close(linear_scan(a, b, h0), torch.stack(want, 1))
+    assert_close(linear_scan(a, b, h0), torch.stack(want, 1))
     assert torch.autograd.gradcheck(linear_scan, (a, b, h0))
     assert torch.autograd.gradcheck(linear_scan, (a, b))
 
@@ -130,9 +133,9 @@ def test_bad_inputs_raise_value_error(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+def test_low_precision_inputs_keep_their_dtype(dtype):
     t = _inputs(1, 21)
-    seq = kit.seq_idx_of([[5, 1, 15]])
+    seq = seq_idx_of([[5, 1, 15]])
     args = [t[k].detach() for k in ("u", "delta", "A", "B", "C")]
     want = selective_scan(*args, seq_idx=seq, delta_softplus=True)
     got = selective_scan(*(a.to(dtype) for a in args), seq_idx=seq, delta_softplus=True)

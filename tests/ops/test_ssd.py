@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from packfree_plugin.ops.ssd import fast as ssd_torch
 from packfree_plugin.ops.ssd import ssd_chunk_scan, naive_ssd
+from tests.ops.harness import (
+    assert_close, assert_isolated, assert_same_grads, cu_seqlens_of, draw_rows, per_sample, seq_idx_of,
+)
 
 F64 = torch.float64
 KERNEL = "mamba_ssm.ops.triton.ssd_combined"
@@ -36,10 +39,10 @@ PER_TOKEN = {"x": 1, "dt": 1, "B": 1, "C": 1, "z": 1}
 
 
 @given(data=st.data())
-def test_packed_matches_per_sample(kit, data):
+def test_packed_matches_per_sample(data):
     chunk = data.draw(st.sampled_from([1, 2, 3, 4, 8]), label="chunk")
-    rows = kit.draw_rows(data, chunk)
-    seq_idx = kit.seq_idx_of(rows)
+    rows = draw_rows(data, chunk)
+    seq_idx = seq_idx_of(rows)
     Bsz, T = seq_idx.shape
     G = data.draw(st.sampled_from([1, 2]), label="G")
     t = _inputs(Bsz, T, G=G, D=data.draw(st.sampled_from(["none", "H", "HP"]), label="D"),
@@ -48,7 +51,7 @@ def test_packed_matches_per_sample(kit, data):
                 dt_limit=data.draw(st.sampled_from([(0.0, math.inf), (0.05, 2.0)]), label="dt_limit"))
     bounds = {"seq_idx": seq_idx}
     if Bsz == 1 and data.draw(st.booleans(), label="cu_seqlens"):
-        bounds = {"cu_seqlens": kit.cu_seqlens_of(rows[0])}
+        bounds = {"cu_seqlens": cu_seqlens_of(rows[0])}
     shared = dict(D=t["D"], dt_bias=t["dt_bias"], **opts)
     per_group = data.draw(st.sampled_from([1, 2, 1 << 16]), label="chunks_per_group")
     saved = ssd_torch._GROUP_BYTES
@@ -58,23 +61,23 @@ def test_packed_matches_per_sample(kit, data):
                              backend="torch", **shared, **bounds)
     finally:
         ssd_torch._GROUP_BYTES = saved
-    ref = kit.per_sample(
+    ref = per_sample(
         lambda x, dt, B, C, z: naive_ssd(x, dt, t["A"], B, C, z=z, **shared),
         rows, [(t["x"], 1), (t["dt"], 1), (t["B"], 1), (t["C"], 1), (t["z"], 1)], 1)
-    kit.assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
+    assert_same_grads(out, ref, {k: v for k, v in t.items() if v is not None})
     r = data.draw(st.integers(0, Bsz - 1), label="iso_row")
     s = data.draw(st.integers(0, len(rows[r]) - 1), label="iso_sample")
-    kit.assert_isolated(out, 1, seq_idx, {k: (t[k], d) for k, d in PER_TOKEN.items() if t[k] is not None}, r, s)
+    assert_isolated(out, 1, seq_idx, {k: (t[k], d) for k, d in PER_TOKEN.items() if t[k] is not None}, r, s)
 
 
-def test_result_does_not_depend_on_chunk_size(kit):
+def test_result_does_not_depend_on_chunk_size():
     rows = [[7, 1, 12, 5]]
     t = _inputs(1, 25)
     outs = [ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=c, D=t["D"], z=t["z"],
-                           dt_bias=t["dt_bias"], dt_softplus=True, seq_idx=kit.seq_idx_of(rows))
+                           dt_bias=t["dt_bias"], dt_softplus=True, seq_idx=seq_idx_of(rows))
             for c in (1, 4, 5, 32)]
     for o in outs[1:]:
-        kit.assert_close(o, outs[0])
+        assert_close(o, outs[0])
 
 
 # --------------------------------------------------------------------------- kernel routing (fake)
@@ -101,13 +104,13 @@ def _fake_ssd(calls: list, expected_seq: torch.Tensor | None):
 
 
 @pytest.mark.parametrize("via", ["seq_idx", "cu_seqlens", "none"])
-def test_routes_to_mamba_chunk_scan_combined(kit, route_to, via):
+def test_routes_to_mamba_chunk_scan_combined(route_to, via):
     lengths = [4, 1, 9, 2]
-    seq = kit.seq_idx_of([lengths])
+    seq = seq_idx_of([lengths])
     calls: list = []
     route_to({KERNEL: {"mamba_chunk_scan_combined": _fake_ssd(calls, None if via == "none" else seq)}})
     t = _inputs(1, 16, dtype=torch.float32)
-    kw = {"seq_idx": seq} if via == "seq_idx" else {"cu_seqlens": kit.cu_seqlens_of(lengths, torch.int64)} if via == "cu_seqlens" else {}
+    kw = {"seq_idx": seq} if via == "seq_idx" else {"cu_seqlens": cu_seqlens_of(lengths, torch.int64)} if via == "cu_seqlens" else {}
     common = dict(chunk_size=8, D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.0, 5.0))
     out = ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], **common, **kw)
     assert calls == [dict(chunk_size=8, dt_softplus=True, dt_limit=(0.0, 5.0))]
@@ -163,9 +166,9 @@ def test_bad_inputs_raise_value_error(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_low_precision_inputs_keep_their_dtype(kit, dtype):
+def test_low_precision_inputs_keep_their_dtype(dtype):
     t = _inputs(1, 21)
-    seq = kit.seq_idx_of([[5, 1, 15]])
+    seq = seq_idx_of([[5, 1, 15]])
     args = [t[k].detach() for k in ("x", "dt", "A", "B", "C")]
     want = ssd_chunk_scan(*args, chunk_size=8, seq_idx=seq, dt_softplus=True)
     got = ssd_chunk_scan(*(a.to(dtype) for a in args), chunk_size=8, seq_idx=seq, dt_softplus=True)

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._memo import memo
+
 
 _TILE_BYTES = 1 << 19
 _SPREAD_UP_TO_BYTES = 1 << 19
@@ -110,12 +112,7 @@ def _boundary(seq_idx: Tensor | None, T: int, K: int, tile: int) -> _Boundary:
     the same ``seq_idx``, so the rows are found once, not once per layer (kept on the tensor, freed with it)."""
     if seq_idx is None:
         return _Boundary(None, T, K, tile)
-    cache = seq_idx.__dict__.setdefault("_packfree_conv_boundary", {})
-    key = (T, K, tile, seq_idx._version)
-    if key not in cache:
-        cache.clear()
-        cache[key] = _Boundary(seq_idx, T, K, tile)
-    return cache[key]
+    return memo(seq_idx, "conv_boundary", (T, K, tile), lambda: _Boundary(seq_idx, T, K, tile))
 
 
 def _pre(x: Tensor, taps: Tensor, bias: Tensor | None, bnd: _Boundary, t0: int, t1: int,
@@ -271,9 +268,7 @@ def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
     """``(slots [B * T] long, length)``: token ``j`` of the flattened rows at ``slots[j]`` of a ``length``-token
     row where K - 1 zero tokens precede every sample. Kept on ``seq_idx`` (every layer of a forward passes the
     same tensor); CPU only, so it is computed on the host, in numpy (a quarter of torch's per-call cost)."""
-    key = (K, tuple(seq_idx.shape), seq_idx._version)
-    cached = seq_idx.__dict__.get("_packfree_conv_spread")
-    if cached is None or cached[0] != key:
+    def build() -> tuple[Tensor, int]:
         ids = seq_idx.numpy()
         starts = numpy.empty(ids.shape, dtype=bool)
         starts[:, :1] = True  # rows start samples too
@@ -281,6 +276,6 @@ def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
         count = starts.ravel().cumsum()  # [B * T] int64: samples started so far
         slots = numpy.arange(count.size)
         slots += (K - 1) * count
-        cached = (key, (torch.from_numpy(slots), count.size + (K - 1) * int(count[-1])))
-        seq_idx.__dict__["_packfree_conv_spread"] = cached
-    return cached[1]
+        return torch.from_numpy(slots), count.size + (K - 1) * int(count[-1])
+
+    return memo(seq_idx, "conv_spread", (K, tuple(seq_idx.shape)), build)

@@ -39,10 +39,11 @@ from contextlib import nullcontext
 
 import numpy
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from packfree_plugin.ops._boundary_doc import with_boundary_doc
+from packfree_plugin.ops.gated_delta.gates import kda_gate, l2norm
+from packfree_plugin.ops._memo import memo
 from packfree_plugin.ops._nonfinite import Quarantine
 from packfree_plugin.ops._seq import resolve_seq_idx
 from packfree_plugin.ops._varlen import (
@@ -56,26 +57,6 @@ from packfree_plugin.ops._varlen import (
 )
 
 __all__ = ["chunk_gated_delta_rule_torch", "chunk_kda_torch", "l2norm", "kda_gate"]
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's in-kernel L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """KDA's in-kernel decay: ``-exp(A_log)[h] * softplus(g + dt_bias[h, k])`` for ``g [B, T, H, K]``,
-    ``A_log [H]`` (any shape with H elements), ``dt_bias [H*K]``. Returns float32/float64."""
-    H, K = g.shape[-2], g.shape[-1]
-    if A_log.numel() != H:
-        raise ValueError(f"A_log must have H={H} elements, got shape {tuple(A_log.shape)}")
-    cdt = compute_dtype(g.dtype)
-    x = g.to(cdt)
-    if dt_bias is not None:
-        if dt_bias.numel() != H * K:
-            raise ValueError(f"dt_bias must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
-        x = x + dt_bias.to(cdt).view(H, K)
-    return -torch.exp(A_log.to(cdt)).view(H, 1) * F.softplus(x)
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, per_channel: bool, validate: bool | None = None
@@ -455,17 +436,15 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
     they are built once per forward, not once per layer or call. A CPU row builds them in numpy (a fraction of
     torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
-    key = (tuple(seq_idx.shape), C, cdt, None if cu_seqlens is None else cu_seqlens._version)
-    cache = {} if cu_seqlens is None else cu_seqlens.__dict__.setdefault("_packfree_gdn_masks", {})
-    if key not in cache:
+    def build() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         if seq_idx.device.type == "cpu" and not torch.compiler.is_compiling():
             arrays = map(torch.from_numpy, _mask_arrays(seq_idx.numpy(), C, _host_causal(C)))
         else:
             arrays = _mask_arrays(seq_idx, C, ~_above_diagonal(C, seq_idx.device))
         seq, cut, fresh, not_last, cont, same = arrays
-        cache.clear()
-        cache[key] = ((seq, cut, fresh, not_last), cont, same.to(cdt))
-    return cache[key]
+        return (seq, cut, fresh, not_last), cont, same.to(cdt)
+
+    return build() if cu_seqlens is None else memo(cu_seqlens, "gdn_masks", (tuple(seq_idx.shape), C, cdt), build)
 
 
 def _restarted_cumsum(same: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

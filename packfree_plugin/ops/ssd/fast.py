@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._memo import memo
 from .._nonfinite import Quarantine
 from .naive import process_dt
 
@@ -44,17 +45,16 @@ def _boundary_masks(seq_idx: Tensor, seq: Tensor, dtype: torch.dtype) -> tuple[T
     the token before its chunk. Built once per ``seq_idx`` tensor and chunk size: every layer of a forward
     passes the same one."""
     L = seq.shape[-1]
-    key = (tuple(seq.shape), dtype, seq_idx._version)
-    cache = seq_idx.__dict__.setdefault("_packfree_ssd_masks", {})
-    if key not in cache:
-        cache.clear()
+
+    def build() -> tuple[Tensor, Tensor]:
         above = _triangles(L, seq.device)[1]
         cut = ((seq[..., :, None] != seq[..., None, :]) | above)[:, None, None]
         end = seq[..., -1]  # [b, c]
         before = torch.cat([torch.full_like(end[:, :1], -1), end[:, :-1]], dim=1)  # the token before each chunk's
         cont = (seq == before[..., None])[:, None, None].to(dtype)
-        cache[key] = (cut, cont)
-    return cache[key]
+        return cut, cont
+
+    return memo(seq_idx, "ssd_masks", (tuple(seq.shape), dtype), build)
 
 
 def _chunk_group(xh: Tensor, dth: Tensor, Bh: Tensor, Ch: Tensor, cut: Tensor, cont: Tensor | None, A: Tensor,

@@ -1,10 +1,7 @@
-"""Leak audit: does any module let one packed sample change another sample's outputs? And does each packed
-sample give what it gives alone?
+"""Leak audit: does any module let one packed sample change another sample's outputs?
 
-:func:`verify` runs both checks: the isolation proof of :mod:`packfree_plugin.gate.proof` (each packed sample
-against that sample run alone on stock transformers, which also catches results that are wrong without
-crossing samples, e.g. positions counted from the wrong origin) and the perturbation audit below, which names
-the modules that let samples mix.
+The isolation proof (:mod:`.proof`) uses it to name the modules that let samples mix, and ``packfree verify``
+(:mod:`packfree_plugin.tools.verify`) reports it beside the proof.
 
 :func:`audit` packs several samples into one row (boundaries given by ``position_ids`` alone, as TRL's
 padding-free collator sends them, and the model called with its default ``use_cache`` as a user would),
@@ -24,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .gate.proof import Proof, with_decoder_inputs
+from ..context import tensor_leaves
 
-__all__ = ["AuditResult", "Leak", "audit", "packed_row"]
+__all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]
 
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -51,24 +48,15 @@ class AuditResult:
     leaks: list[Leak] = field(default_factory=list)
     failure: str | None = None
     """Why the model could not run the audit at all (only ever set for the stock reference)."""
-    alone: Proof | None = None
-    """Packed samples against each sample alone on stock (None: not compared)."""
-    alone_failure: str | None = None
-    """Why the alone comparison could not run (stock failed on a sample alone)."""
 
     @property
     def ok(self) -> bool:
-        return not self.leaks and self.failure is None and (self.alone is None or self.alone.exact)
+        return not self.leaks and self.failure is None
 
     def summary(self, limit: int = 12) -> str:
         if self.failure is not None:
             return f"{self.attn_implementation}: could not run this input ({self.failure})"
-        lines = [self._leak_summary(limit)]
-        if self.alone is not None:
-            lines.append(f"{self.attn_implementation}: against each sample alone: {self.alone.verdict()}")
-        elif self.alone_failure is not None:
-            lines.append(f"{self.attn_implementation}: not compared with each sample alone ({self.alone_failure})")
-        return "\n".join(lines)
+        return self._leak_summary(limit)
 
     def _leak_summary(self, limit: int) -> str:
         head = (f"{self.attn_implementation}: samples {self.lengths}, perturbed sample {self.perturbed}; "
@@ -92,14 +80,13 @@ def packed_row(samples: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+def with_decoder_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` plus, for an encoder-decoder model, ``decoder_input_ids`` equal to its ``input_ids`` (a packed row's
+    decoder then holds the same samples in the same layout as its encoder; many such models take no decoder
+    inputs from nowhere)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return {**batch, "decoder_input_ids": batch["input_ids"]}
+    return batch
 
 
 def _time_axis(tensor: torch.Tensor, batch: int, seq_len: int) -> int | None:
@@ -114,12 +101,13 @@ def _time_axis(tensor: torch.Tensor, batch: int, seq_len: int) -> int | None:
     return None
 
 
-def _record(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, list[list[torch.Tensor]]]:
+def record_outputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, list[list[torch.Tensor]]]:
+    """Module path -> the detached tensors of each of its calls in one no-grad forward of ``model(**batch)``."""
     outputs: dict[str, list[list[torch.Tensor]]] = {}
     handles = []
     for name, module in model.named_modules():
         def hook(_module, _args, output, name=name):
-            outputs.setdefault(name, []).append([t.detach().clone() for t in _tensors(output)])
+            outputs.setdefault(name, []).append([t.detach().clone() for t in tensor_leaves(output)])
 
         handles.append(module.register_forward_hook(hook))
     try:
@@ -167,7 +155,7 @@ def audit(
     outside[start:start + lengths[perturbed]] = False
     outside = outside.to(parameter.device)
 
-    before, after = _record(model, base), _record(model, other)
+    before, after = record_outputs(model, base), record_outputs(model, other)
     modules = dict(model.named_modules())
     leaks, compared, unaligned = [], 0, 0
     for name, calls in before.items():
@@ -186,38 +174,3 @@ def audit(
             leaks.append(Leak(name, type(modules[name]).__name__, worst))
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or "?"
     return AuditResult(implementation, lengths, perturbed, len(modules), compared, unaligned, leaks)
-
-
-def verify(target: str, *, lengths: Sequence[int] = (7, 5, 9, 6), reference: str = "sdpa",
-           dtype: torch.dtype = torch.float64) -> tuple[AuditResult, AuditResult | None]:
-    """Audit ``target`` (a model directory or model type) under packfree (the leak audit, and each packed
-    sample against that sample alone on stock ``reference``, else ``sdpa``), and audit stock ``reference``.
-
-    The model is built past the load-time gate (:mod:`packfree_plugin.gate`), which would refuse a model
-    that fails this very check. Returns ``(packfree_result, reference_result)``; the reference is None when
-    ``reference`` is empty.
-    """
-    from .gate import bypassed
-    from .gate.proof import prove
-    from .tiny import load_model
-
-    with bypassed():
-        model = load_model(target, "packfree", dtype=dtype)
-    mine = audit(model, lengths=lengths)
-    try:
-        stock = load_model(target, reference or "sdpa", dtype=dtype)
-    except ValueError:  # e.g. Mamba2 has no sdpa path: its stock implementation is eager
-        stock = load_model(target, "eager", dtype=dtype)
-    stock.load_state_dict(model.state_dict())
-    try:
-        mine.alone = prove(model, stock, stock_name=stock.config._attn_implementation, lengths=lengths)
-    except Exception as error:  # noqa: BLE001 - stock cannot run a sample alone: nothing to compare with
-        mine.alone_failure = f"stock {type(error).__name__}: {error}"
-    theirs = None
-    if reference:
-        try:
-            theirs = audit(stock, lengths=lengths)
-        except Exception as error:  # the reference is informative: its own bugs must not hide packfree's verdict
-            implementation = stock.config._attn_implementation
-            theirs = AuditResult(implementation, list(lengths), 0, 0, 0, 0, failure=f"{type(error).__name__}: {error}")
-    return mine, theirs

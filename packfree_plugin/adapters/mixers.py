@@ -6,11 +6,12 @@ that, while a packed batch is in flight, runs the adapter; otherwise the layer's
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
 
-Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_for`: the
-``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
+Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_here`, given its input rows:
+the ``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
 models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
-(and around the recomputation of gradient checkpointing). Native adapters hand them to packfree's ops
-(:mod:`.routes`); the generic tier reads the host offsets.
+(and around the recomputation of gradient checkpointing), provided they describe those rows. Native adapters
+hand them to packfree's ops (:mod:`.routes`, through the kernel functions their entry's ``routes`` name); the
+generic tier reads the host offsets.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,14 +26,15 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, boundaries_for
+from ..context import ForwardParameters, boundaries_here
 from ..ops._nonfinite import Quarantine
+from . import encoders, families
+from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
-__all__ = ["MixerAdapter", "REGISTRY", "adapter_for", "additive_mask", "check_coverage", "dense_causal_mask",
-           "positions_per_sample", "register_adapter", "wrap_mixers"]
+__all__ = ["check_coverage", "wrap_mixers"]
 
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
@@ -42,124 +43,6 @@ _DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", 
                    "packfree_boundaries", "use_cache")
 
 _BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
-
-NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
-"""``(layer, original_forward, boundaries, bound_arguments) -> output``."""
-PerSample = Callable[[nn.Module, torch.Tensor, dict[str, Any]], dict[str, Any]]
-"""``(layer, hidden [n, L, ...], call) -> arguments``: what a layer run on one right-padded group of ``n`` samples
-needs beyond ``call`` (the arguments it is about to get, per-token ones already cut to the group); they replace
-``call``'s entries of the same name."""
-
-
-@dataclass(frozen=True)
-class MixerAdapter:
-    """How packed boundaries reach one family of sequence-mixing layers.
-
-    ``class_names``: transformers layer classes covered. ``native``: a boundary-aware implementation
-    (None: the generic unpack-run-repack tier). ``hidden_arg``: the forward's input argument.
-    ``token_args``: further per-token arguments (``[B, T, ...]`` tensors or tuples/dicts of them, e.g.
-    ``input_ids`` or the ``(cos, sin)`` position embeddings) unpacked together with ``hidden_arg``.
-    ``output_index``: None when the forward returns the per-token output, else its index (or indices) in
-    the returned tuple (the other entries, recurrent states or attention weights, come back as None; a
-    parameter, the same for every sample, comes back as itself).
-    ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch (:data:`PerSample`).
-    ``per_sample_output``: ``(layer, output) -> output``, applied to each group's output before its per-token
-    entries go back into packed order (which needs them of one width in every group).
-    ``class_names`` may qualify a class by its modeling module (``"openai.Attention"`` for
-    ``transformers.models.openai.modeling_openai.Attention``) where the bare name is shared by other models.
-
-    ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
-    passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
-    attention function cannot serve: the stock implementation (``"sdpa"`` or ``"eager"``) the layer runs
-    with. Whenever boundaries are active (training, scoring, prefill; packed or not) the layer runs per
-    sample with a dense causal (and sliding-window, from the layer's ``sliding_window``) mask per group
-    (unless ``attention_mask`` is one of ``token_args``: a layer that takes a 2-D padding mask gets it per sample);
-    when decoding from a cache it gets transformers' own mask. Either way its attention calls resolve to
-    that stock implementation, so the layer computes exactly what stock transformers computes.
-    ``causal``: whether such an attention layer masks the future, or a function of the layer that says it (BERT-era
-    encoders turn causal with ``config.is_decoder``). A bidirectional layer runs on groups of samples of one
-    length, unpadded (a padding key would be visible to it), with a mask that hides nothing.
-    """
-
-    family: str
-    class_names: tuple[str, ...]
-    native: NativeRun | None = None
-    hidden_arg: str = "hidden_states"
-    token_args: tuple[str, ...] = ()
-    output_index: int | tuple[int, ...] | None = None
-    per_sample: PerSample | None = None
-    per_sample_output: Callable[[nn.Module, Any], Any] | None = None
-    attention: str | None = None
-    causal: bool | Callable[[nn.Module], bool] = True
-    notes: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        if self.attention not in (None, "sdpa", "eager"):
-            raise ValueError(f"attention must be None, 'sdpa' or 'eager', not {self.attention!r}")
-
-    @property
-    def tier(self) -> str:
-        return "native" if self.native is not None else "generic"
-
-
-REGISTRY: dict[str, MixerAdapter] = {}
-"""Layer class name -> adapter."""
-
-
-def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
-    """Enter ``adapter`` in ``table`` under each of its ``class_names``; a name another adapter holds raises."""
-    for name in adapter.class_names:
-        if name in table and table[name] != adapter:
-            raise ValueError(f"{name} already has an adapter ({table[name].family})")
-        table[name] = adapter
-    return adapter
-
-
-def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
-    return register_by_class_name(REGISTRY, adapter)
-
-
-def adapter_for(cls: type) -> MixerAdapter | None:
-    """The adapter covering layer class ``cls``: by its module-qualified name (``"openai.Attention"``), else its name."""
-    family = cls.__module__.rsplit(".", 2)[-2] if cls.__module__.startswith("transformers.models.") else None
-    qualified = REGISTRY.get(f"{family}.{cls.__name__}") if family is not None else None
-    return qualified if qualified is not None else REGISTRY.get(cls.__name__)
-
-
-def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:
-    """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded batch ``hidden [n, L, ...]``."""
-    return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}
-
-
-def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
-                      additive_dtype: torch.dtype | None = None, causal: bool = True,
-                      keys: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n, 1, L, L]`` dense mask of a sample batch, causal unless ``causal=False`` (True / 0.0 where a query may
-    attend).
-
-    ``window``: transformers' sliding window in its attention-function convention (causal: a query sees the
-    ``window`` most recent keys, itself included; bidirectional: keys less than ``window`` away).
-    ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
-    ``causal=False``: bidirectional (for a layer that would read a missing mask as causal, as transformers' sdpa
-    does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are real tokens (None: all);
-    a query that then sees no key (left padding) is left so, as in transformers' own masks.
-    """
-    query = torch.arange(length, device=device)[:, None]
-    key = torch.arange(length, device=device)[None, :]
-    allowed = key <= query if causal else torch.ones(length, length, dtype=torch.bool, device=device)
-    if window is not None:
-        allowed = allowed & ((key > query - window) if causal else ((key - query).abs() < window))
-    allowed = allowed.expand(num_samples, 1, length, length)
-    if keys is not None:
-        allowed = allowed & keys[:, None, None, :]
-    return allowed if additive_dtype is None else additive_mask(allowed, additive_dtype)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: may attend) as the additive float mask eager attention adds to its scores: 0 where
-    allowed, the dtype's minimum elsewhere (transformers' eager masks)."""
-    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
 
 _MAX_WASTE = 0.25
 """Padding a group of causal samples may carry (:func:`.generic.length_buckets`)."""
@@ -297,22 +180,19 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     ``__dict__``: picklable, and a deep copy binds to the copy."""
     adapter = adapter_for(type(layer))
     original = own_forward(layer)
-    boundaries = boundaries_for(kwargs)
-    if adapter.attention is not None:
-        return _attention_forward(layer, adapter, original, boundaries, *args, **kwargs)
-    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
-        # one sample per row: the layer's own forward is exact; boundary inputs would only make
-        # transformers' kernel fallbacks refuse the call
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     arguments = own_parameters(layer).bind(args, kwargs)
-    hidden = arguments.get(adapter.hidden_arg)
-    if not isinstance(hidden, torch.Tensor) or not boundaries.describes(*hidden.shape[:2]):
-        return original(*args, **kwargs)
+    boundaries = boundaries_here(kwargs, rows=arguments.get(adapter.hidden_arg))
+    if adapter.attention is not None:
+        return _attention_forward(layer, adapter, original, boundaries, arguments)
+    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
+        # one sample per row, or rows that are not this forward's: the layer's own forward is exact; boundary
+        # inputs would only make transformers' kernel fallbacks refuse the call
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
     if not boundaries.is_packed and any(arguments.get(name) is not None for name in _CACHE_PARAMETERS):
         # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
         return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-    if adapter.native is native_forward and not may_reach_kernels(layer, hidden):
+    if adapter.native is native_forward and not may_reach_kernels(layer, arguments[adapter.hidden_arg]):
         # packfree's torch ops keep a sample's NaN or inf out of the others themselves
         return native_forward(layer, original, boundaries, arguments)
     if adapter.native is not None:
@@ -344,16 +224,15 @@ def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[
 
 
 def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
-                       *args, **kwargs):
-    arguments = own_parameters(layer).bind(args, kwargs)
+                       arguments: dict[str, Any]):
+    """``boundaries``: those of the layer's own rows (None: it has none)."""
     hidden = arguments[adapter.hidden_arg]
     with _StockAttention(layer, adapter.attention):
-        fits = boundaries is not None and boundaries.describes(*hidden.shape[:2])
         # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
         # whole batch fills the cache as stock does, with the mask stock builds for these rows
-        fills_cache = fits and not boundaries.is_packed and any(
+        fills_cache = boundaries is not None and not boundaries.is_packed and any(
             arguments.get(name) is not None for name in _CACHE_PARAMETERS)
-        if fits and not fills_cache:
+        if boundaries is not None and not fills_cache:
             return _generic(adapter, layer, original, boundaries, arguments)
         if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
             arguments["attention_mask"] = _rows_mask(boundaries, layer)
@@ -367,12 +246,10 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
 
 def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
     """Give every covered mixer in ``model`` its packed forward (idempotent); returns ``(path, tier)`` pairs."""
-    from . import encoders, families  # noqa: F401  (fill REGISTRY)
-
     wrapped = []
     for path, module in model.named_modules():
         adapter = adapter_for(type(module))
-        if adapter is None:
+        if adapter is None or adapter.refused:
             continue
         install(module, _mixer_forward)
         if adapter.native is not None:
@@ -409,9 +286,7 @@ def _takes_no_tokens(module: nn.Module) -> bool:
 
 def check_coverage(model: nn.Module) -> None:
     """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
-    packfree knows it cannot run exactly (:data:`.families.REFUSED`)."""
-    from . import encoders, families  # noqa: F401  (fill REGISTRY)
-
+    packfree knows it cannot run exactly (an entry's ``refused``)."""
     covered: set[str] = set()
     unknown: set[str] = set()
     for path, module in model.named_modules():
@@ -422,16 +297,17 @@ def check_coverage(model: nn.Module) -> None:
             covered.add(path)
         elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
             unknown.add(name)
-    refused = sorted({type(module).__name__ for module in model.modules()} & families.REFUSED.keys())
+    entries = {type(module).__name__: adapter_for(type(module)) for module in model.modules()}  # towers' too
+    refused = {name: entry.refused for name, entry in entries.items() if entry is not None and entry.refused}
     if refused:
         raise ValueError(
             "packfree cannot run these layers exactly on packed rows: "
-            + "; ".join(f"{name} ({families.REFUSED[name]})" for name in refused)
+            + "; ".join(f"{name} ({refused[name]})" for name in sorted(refused))
             + ". Load the model without packfree, or pass one sample per row"
         )
     if unknown:
         raise ValueError(
             f"packfree has no boundary adapter for {', '.join(sorted(unknown))}: these layers carry information "
             "along the sequence and would mix packed samples. Register a MixerAdapter for them "
-            "(packfree_plugin.adapters.registry) or load the model without packfree"
+            "(packfree_plugin.adapters.entry) or load the model without packfree"
         )

@@ -1,0 +1,160 @@
+"""The entry of one family of layers that packfree runs per family (:class:`MixerAdapter`), the table of them by layer
+class (:data:`REGISTRY`, filled by :mod:`.families` and :mod:`.encoders`), and the dense masks their per-sample runs
+build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..boundaries import Boundaries
+
+__all__ = ["MixerAdapter", "NativeRun", "PerSample", "REGISTRY", "ROUTED_FUNCTIONS", "adapter_for", "additive_mask", "dense_causal_mask",
+           "positions_per_sample", "register_adapter", "register_by_class_name", "register_refusal"]
+
+NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
+"""``(layer, original_forward, boundaries, bound_arguments) -> output``."""
+PerSample = Callable[[nn.Module, torch.Tensor, dict[str, Any]], dict[str, Any]]
+"""``(layer, hidden [n, L, ...], call) -> arguments``: what a layer run on one right-padded group of ``n`` samples
+needs beyond ``call`` (the arguments it is about to get, per-token ones already cut to the group); they replace
+``call``'s entries of the same name."""
+
+
+@dataclass(frozen=True)
+class MixerAdapter:
+    """How packed boundaries reach one family of sequence-mixing layers.
+
+    ``class_names``: transformers layer classes covered. ``native``: a boundary-aware implementation
+    (None: the generic unpack-run-repack tier). ``hidden_arg``: the forward's input argument.
+    ``token_args``: further per-token arguments (``[B, T, ...]`` tensors or tuples/dicts of them, e.g.
+    ``input_ids`` or the ``(cos, sin)`` position embeddings) unpacked together with ``hidden_arg``.
+    ``output_index``: None when the forward returns the per-token output, else its index (or indices) in
+    the returned tuple (the other entries, recurrent states or attention weights, come back as None; a
+    parameter, the same for every sample, comes back as itself).
+    ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch (:data:`PerSample`).
+    ``per_sample_output``: ``(layer, output) -> output``, applied to each group's output before its per-token
+    entries go back into packed order (which needs them of one width in every group).
+    ``class_names`` may qualify a class by its modeling module (``"openai.Attention"`` for
+    ``transformers.models.openai.modeling_openai.Attention``) where the bare name is shared by other models.
+
+    ``refused``: why packfree cannot run these classes exactly on packed rows (loading a model that holds one with
+    packfree raises it, :func:`.mixers.check_coverage`); such an entry runs nothing.
+
+    ``routes``: for a native tier that runs the layer's own forward with its kernel calls routed to packfree's ops
+    (:func:`.routes.native_forward`), the kernel functions it calls and where they live: modeling module (under
+    ``transformers.models``) -> {module-level function: the kernel it implements, a key of
+    :data:`.routes.ROUTED_KERNELS`}.
+
+    ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
+    passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
+    attention function cannot serve: the stock implementation (``"sdpa"`` or ``"eager"``) the layer runs
+    with. Whenever boundaries are active (training, scoring, prefill; packed or not) the layer runs per
+    sample with a dense causal (and sliding-window, from the layer's ``sliding_window``) mask per group
+    (unless ``attention_mask`` is one of ``token_args``: a layer that takes a 2-D padding mask gets it per sample);
+    when decoding from a cache it gets transformers' own mask. Either way its attention calls resolve to
+    that stock implementation, so the layer computes exactly what stock transformers computes.
+    ``causal``: whether such an attention layer masks the future, or a function of the layer that says it (BERT-era
+    encoders turn causal with ``config.is_decoder``). A bidirectional layer runs on groups of samples of one
+    length, unpadded (a padding key would be visible to it), with a mask that hides nothing.
+    """
+
+    family: str
+    class_names: tuple[str, ...]
+    native: NativeRun | None = None
+    hidden_arg: str = "hidden_states"
+    token_args: tuple[str, ...] = ()
+    output_index: int | tuple[int, ...] | None = None
+    per_sample: PerSample | None = None
+    per_sample_output: Callable[[nn.Module, Any], Any] | None = None
+    attention: str | None = None
+    causal: bool | Callable[[nn.Module], bool] = True
+    refused: str = ""
+    routes: Mapping[str, Mapping[str, str]] = field(default_factory=dict, compare=False)
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in (None, "sdpa", "eager"):
+            raise ValueError(f"attention must be None, 'sdpa' or 'eager', not {self.attention!r}")
+
+    @property
+    def tier(self) -> str:
+        if self.refused:
+            return "refused"
+        return "native" if self.native is not None else "generic"
+
+
+REGISTRY: dict[str, MixerAdapter] = {}
+"""Layer class name -> adapter."""
+ROUTED_FUNCTIONS: dict[str, Mapping[str, str]] = {}
+"""Modeling module -> {function: kernel}: every transformers function packfree routes, the adapters' ``routes``
+gathered as they register."""
+
+
+def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
+    """Enter ``adapter`` in ``table`` under each of its ``class_names``; a name another adapter holds raises."""
+    for name in adapter.class_names:
+        if name in table and table[name] != adapter:
+            raise ValueError(f"{name} already has an adapter ({table[name].family})")
+        table[name] = adapter
+    return adapter
+
+
+def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
+    """Enter ``adapter`` in :data:`REGISTRY` by its classes and its ``routes`` in :data:`ROUTED_FUNCTIONS`."""
+    for module, functions in adapter.routes.items():
+        if ROUTED_FUNCTIONS.get(module, functions) != functions:
+            raise ValueError(f"{module} already routes other functions ({dict(ROUTED_FUNCTIONS[module])})")
+    register_by_class_name(REGISTRY, adapter)
+    ROUTED_FUNCTIONS.update(adapter.routes)
+    return adapter
+
+
+def register_refusal(class_name: str, reason: str) -> MixerAdapter:
+    """Enter layer class ``class_name`` as one packfree refuses at load, saying ``reason``."""
+    return register_adapter(MixerAdapter(f"refused_{class_name}", (class_name,), refused=reason))
+
+
+def adapter_for(cls: type) -> MixerAdapter | None:
+    """The adapter covering layer class ``cls``: by its module-qualified name (``"openai.Attention"``), else its name."""
+    family = cls.__module__.rsplit(".", 2)[-2] if cls.__module__.startswith("transformers.models.") else None
+    qualified = REGISTRY.get(f"{family}.{cls.__name__}") if family is not None else None
+    return qualified if qualified is not None else REGISTRY.get(cls.__name__)
+
+
+def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:
+    """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded batch ``hidden [n, L, ...]``."""
+    return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}
+
+
+def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
+                      additive_dtype: torch.dtype | None = None, causal: bool = True,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, 1, L, L]`` dense mask of a sample batch, causal unless ``causal=False`` (True / 0.0 where a query may
+    attend).
+
+    ``window``: transformers' sliding window in its attention-function convention (causal: a query sees the
+    ``window`` most recent keys, itself included; bidirectional: keys less than ``window`` away).
+    ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
+    ``causal=False``: bidirectional (for a layer that would read a missing mask as causal, as transformers' sdpa
+    does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are real tokens (None: all);
+    a query that then sees no key (left padding) is left so, as in transformers' own masks.
+    """
+    query = torch.arange(length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
+    allowed = key <= query if causal else torch.ones(length, length, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & ((key > query - window) if causal else ((key - query).abs() < window))
+    allowed = allowed.expand(num_samples, 1, length, length)
+    if keys is not None:
+        allowed = allowed & keys[:, None, None, :]
+    return allowed if additive_dtype is None else additive_mask(allowed, additive_dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: may attend) as the additive float mask eager attention adds to its scores: 0 where
+    allowed, the dtype's minimum elsewhere (transformers' eager masks)."""
+    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

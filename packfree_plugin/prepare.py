@@ -1,0 +1,46 @@
+""":func:`apply`, packfree's entry point: prepare a model for packed batches.
+
+It stands above every layer it calls: the version check (:mod:`.compat`), registration with transformers
+(:mod:`.registration`), the load-time gate (:mod:`.gate`), the per-forward context (:mod:`.context`) and the
+adapters that route boundaries into each layer (:mod:`.adapters`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .adapters.heads import wrap_heads
+from .adapters.positions import reads_boundaries_in_layers, wrap_positions
+from .adapters.mixers import check_coverage, wrap_mixers
+from .compat import check_transformers_version
+from .context import apply_model_hook
+from .gate import admit
+from .registration import ATTN_IMPLEMENTATION, register
+
+__all__ = ["apply"]
+
+
+def apply(model: nn.Module) -> nn.Module:
+    """Prepare ``model`` for packed batches (idempotent) and return it.
+
+    Switches a model loaded with another attention implementation to ``"packfree"``, hooks every
+    ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence
+    mixer (GDN, Mamba, conv, ...) its boundary adapter. Raises ``ValueError`` naming any layer that looks
+    like a sequence mixer but has no adapter, any architecture that is neither verified by the sweep nor proved
+    exact on a tiny copy (:mod:`packfree_plugin.gate`), and the supported range on a transformers release
+    packfree was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
+    """
+
+    check_transformers_version()
+    register()
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    check_coverage(model)
+    admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
+    mixers = wrap_mixers(model)
+    wrap_heads(model)
+    apply_model_hook(model, layer_hooks=bool(mixers) or reads_boundaries_in_layers(model))
+    wrap_positions(model)  # after the model hook: per-sample positions read the boundaries it pushes
+    return model
