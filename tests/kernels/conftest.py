@@ -93,6 +93,16 @@ else:
 
     torch.cuda.device = _DeviceOrNothing
 
+    _device_properties = torch.cuda.get_device_properties
+
+    def _cpu_as_h100(device: Any = None) -> Any:
+        """An H100's 132 multiprocessors for a CPU device (mamba-ssm's backward splits heads by that count)."""
+        if torch.device(device if device is not None else "cpu").type == "cpu":
+            return types.SimpleNamespace(multi_processor_count=132)
+        return _device_properties(device)
+
+    torch.cuda.get_device_properties = _cpu_as_h100
+
     import fla.ops.gated_delta_rule  # noqa: F401  (decorated now, under the interpreter)
     import fla.ops.kda  # noqa: F401
     import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
