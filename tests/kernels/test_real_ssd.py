@@ -65,7 +65,6 @@ def as_float64(x: dict) -> dict:
 PER_TOKEN = ("x", "dt", "B", "C", "z")
 
 
-@pytest.mark.kernels_smoke
 def test_packed_rows_equal_each_sample_alone_and_naive(spy):
     calls = spy(*KERNEL)
     seq_idx = seq_idx_of(ROWS)
@@ -134,18 +133,21 @@ def test_planted_wrong_seq_idx_fails(spy, planted):
         close(y, ry, "output", tol=1e-5)
 
 
+@pytest.mark.kernels_smoke
 @pytest.mark.parametrize("given", ["seq_idx", "cu_seqlens"])
 def test_what_packfree_hands_mamba_ssm_meets_its_contract(spy, given):
     """``mamba_chunk_scan_combined``'s contract: x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``, B/C
     ``[B, T, G, N]``, D ``[H]``, z like x, dt_bias ``[H]``, chunk_size an int, seq_idx ``[B, T]`` int32 (its kernels
-    load it as int32) and contiguous, on the data's device; no states."""
+    load it as int32) and contiguous, on the data's device; no states. The output is checked too (forward only: the
+    smoke subset runs this)."""
     calls = spy(*KERNEL)
     lengths = [9, 1, 22]
     x = {n: t.detach() for n, t in make_inputs(1, sum(lengths)).items()}
     boundary = ({"seq_idx": seq_idx_of([lengths]).repeat_interleave(2, dim=1)[:, ::2]} if given == "seq_idx"  # strided
                 else {"cu_seqlens": torch.tensor([0, 9, 10, 32])})
-    run(ssd_chunk_scan, x, chunk_size=CHUNK, **boundary)
+    y = run(ssd_chunk_scan, x, chunk_size=CHUNK, **boundary)
     args, kwargs = calls.only()
+    close(y, run(naive_ssd, {n: t.double() for n, t in x.items()}, seq_idx=seq_idx_of([lengths])), "output", tol=1e-5)
     xx, dt, A, B, C, chunk_size = args
     Bsz, T = xx.shape[:2]
     assert xx.shape == (Bsz, T, H, P) and dt.shape == (Bsz, T, H) and A.shape == (H,)
