@@ -138,7 +138,8 @@ def test_rows_with_padding_through_the_mixer_route(spy, family):
     real = ~boundaries.padding_tokens  # [B, T]
     close(out[real], ro[real], "output of the real samples", tol=1e-2)
 
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * real[..., None, None]
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    cot = cot * real[..., None, None]
     got = torch.autograd.grad((out.double() * cot).sum(), list(x.values()))
     want = torch.autograd.grad((ro * cot).sum(), list(ref.values()))
     for name, g, w in zip(x, got, want):
@@ -197,4 +198,5 @@ def test_what_packfree_hands_fla_meets_its_contract(spy, family):
     assert kwargs["output_final_state"] is True and kwargs["scale"] is None
     named = inspect.signature(calls.real).parameters
     unnamed = set(kwargs) - set(named)
-    assert unnamed <= {"A_log", "dt_bias"}, f"{attr} has no parameter {sorted(unnamed)}"  # fla reads these from **kwargs
+    # fla reads A_log and dt_bias from **kwargs
+    assert unnamed <= {"A_log", "dt_bias"}, f"{attr} has no parameter {sorted(unnamed)}"

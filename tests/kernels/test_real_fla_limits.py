@@ -30,7 +30,8 @@ def _inputs(lengths: list[int], head_k: int, head_v: int, per_channel: bool) -> 
 @pytest.mark.parametrize("family", list(OPS))
 def test_head_dims_fla_refuses_take_the_torch_path(spy, family, shape):
     op, naive, per_channel = OPS[family]
-    calls = spy(*(("fla.ops.kda", "chunk_kda") if per_channel else ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")))
+    kernel = ("fla.ops.kda", "chunk_kda") if per_channel else ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    calls = spy(*kernel)
     lengths = [3, 5]
     x = _inputs(lengths, *SHAPES[shape], per_channel)
     o, _ = op(*x.values(), cu_seqlens=cu_of(lengths))
