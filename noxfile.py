@@ -73,6 +73,22 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 
+KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops"]
+MAMBA_SSM = "mamba-ssm==2.3.2.post1"  # Python-only install: its CUDA extensions are skipped, its Triton kernels kept
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """packfree's kernel routes against the real fla and mamba-ssm Triton kernels, interpreted on CPU tensors
+    (tests/README.md); ``nox -s kernels -- -m kernels_smoke tests/kernels`` runs the smoke subset."""
+    session.install(TORCH)
+    session.install(".", "pytest>=8", "hypothesis>=6.100", "setuptools", "wheel", "packaging", *KERNEL_PACKAGES, TORCH)
+    session.install("--no-build-isolation", "--no-deps", MAMBA_SSM,
+                    env={"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"})
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests/kernels"]),
+                env={"HYPOTHESIS_PROFILE": "ci"})
+
+
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine with a CUDA torch (sized for < 8 min, installs included): installs transformers, kernels, fla,

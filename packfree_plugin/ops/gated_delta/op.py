@@ -20,14 +20,21 @@ __all__ = ["chunk_gated_delta_rule", "chunk_kda"]
 
 FLA_GDN = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 FLA_KDA = ("fla.ops.kda", "chunk_kda")
-# fla's chunk kernels refuse float32 (GDN asserts it); float32/float64 take the torch path under "auto".
+# Under "auto", fla gets the half dtypes it is built for; float32/float64 take the torch path.
 _FLA_DTYPES = (torch.bfloat16, torch.float16)
+_FLA_MAX_HEAD_DIM = 256  # fla's chunk kernels assert K <= 256 (GDN's state kernel, KDA's entry point)
 
 
 def _pick(backend: Backend, q: torch.Tensor, target: tuple[str, str]):
     kernel = pick_kernel(backend, q, *target)
-    if kernel is not None and backend == "auto" and q.dtype not in _FLA_DTYPES:
+    if kernel is None:
         return None
+    too_wide = q.shape[-1] > _FLA_MAX_HEAD_DIM
+    if backend == "auto":
+        return None if too_wide or q.dtype not in _FLA_DTYPES else kernel
+    if too_wide:
+        raise ValueError(f"backend='kernel': fla's {target[1]} takes a key head dim K <= {_FLA_MAX_HEAD_DIM}, got "
+                         f"{q.shape[-1]}; backend='auto' or 'torch' runs it on packfree's torch path")
     return kernel
 
 
@@ -61,8 +68,8 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state ``[N, H, K, V]``.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
         {cu_seqlens}
-        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
-            ``"kernel"`` (force fla; ValueError if it does not import).
+        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs with K <= 256 when fla imports, else torch),
+            ``"torch"``, or ``"kernel"`` (force fla; ValueError if it does not import or K > 256).
         validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
@@ -119,8 +126,8 @@ def chunk_kda(
         use_gate_in_kernel: decay = ``-exp(A_log[h]) * softplus(g + dt_bias)``; ``A_log [H]`` required,
             ``dt_bias [H*K]`` optional.
         {cu_seqlens}
-        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs when fla imports, else torch), ``"torch"``, or
-            ``"kernel"`` (force fla; ValueError if it does not import).
+        backend: ``"auto"`` (fla for CUDA bf16/fp16 inputs with K <= 256 when fla imports, else torch),
+            ``"torch"``, or ``"kernel"`` (force fla; ValueError if it does not import or K > 256).
         validate: check cu_seqlens' values (start, end, order); default None: only on the CPU (no host sync).
 
     Returns:
