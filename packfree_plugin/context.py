@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
+from .parallel.torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
     "DECODER_POSITION_IDS",
@@ -421,6 +422,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             # boundaries from cu_seq_lens / seq_idx alone: positions restart in every sample, as each sample alone
             # would number them (the model would otherwise count 0..T-1 across the row)
             kwargs["position_ids"] = boundaries.position_ids
+    if boundaries is not None:
+        refuse_packed_rows_under_context_parallel(boundaries.is_packed)
     _STACK.items[-1] = boundaries
     return args, kwargs
 
