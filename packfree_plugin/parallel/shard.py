@@ -91,6 +91,9 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     rows = _gather_rows(position_ids, group)
     whole = Boundaries.from_position_ids(rows, device=position_ids.device)
     SequenceShard(whole, group, dist.get_rank(group), dist.get_world_size(group)).attach(local)
+    # A shard is never a whole sample (the row goes on on other ranks), so every consumer takes packfree's path, on
+    # every rank alike: a rank whose shard holds one sample must not run a stock mixer while the others exchange.
+    local.is_packed = True
 
 
 def _refuse_unsupported(model: nn.Module) -> None:

@@ -10,7 +10,19 @@ from torch import nn
 
 from .shard import prepare_sequence_parallel
 
-__all__ = ["register_ulysses"]
+__all__ = ["refuse_latent_attention", "register_ulysses"]
+
+
+def refuse_latent_attention(model: nn.Module) -> None:
+    """Raise ``ValueError`` for multi-head latent attention (query/key heads of another size than value heads),
+    which DeepSpeed's Ulysses cannot exchange."""
+    text = model.config.get_text_config()
+    if getattr(text, "kv_lora_rank", None) or getattr(text, "qk_rope_head_dim", None):
+        raise ValueError(
+            f"{type(model).__name__}: its multi-head latent attention has query/key heads of another size than its "
+            "value heads, which DeepSpeed's Ulysses cannot exchange; train it with data parallelism (one packed row "
+            "per rank)"
+        )
 
 
 def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_batch_size: int = 1) -> Any:
@@ -21,13 +33,8 @@ def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_bat
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    refuse_latent_attention(model)
     text = model.config.get_text_config()
-    if getattr(text, "kv_lora_rank", None) or getattr(text, "qk_rope_head_dim", None):
-        raise ValueError(
-            f"{type(model).__name__}: its multi-head latent attention has query/key heads of another size than its "
-            "value heads, which DeepSpeed's Ulysses cannot exchange; train it with data parallelism (one packed row "
-            "per rank)"
-        )
     if getattr(text, "num_attention_heads", None):
         described = model
         if getattr(text, "num_key_value_heads", None) is None:  # BERT-style configs: every head has its own k/v

@@ -44,11 +44,18 @@ class Result:
     grads: dict[str, torch.Tensor]
     logits_dtype: torch.dtype
 
-    @property
-    def tolerance(self) -> float:
-        """Relative tolerance of a comparison with one process: float64 to rounding; models that cast their logits
-        to float32 (Mamba2's head) carry float32 rounding into the loss and every gradient."""
-        return 1e-10 if self.logits_dtype == torch.float64 else 1e-5
+
+
+FLOAT32_INSIDE = {"qwen3_next"}
+"""Model types that compute in float32 inside a float64 model (Qwen3-Next's RMSNorms cast to float32): a shard's
+matmuls round differently in the last float64 bit, and the float32 cast carries that to float32 rounding."""
+
+
+def tolerance(case: Case, result: Result) -> float:
+    """Relative tolerance of a comparison with one process: float64 to rounding; float32 where the model computes
+    (or casts its logits, as Mamba2's head does) in float32."""
+    exact = result.logits_dtype == torch.float64 and case.model_type not in FLOAT32_INSIDE
+    return 1e-10 if exact else 1e-5
 
 
 def _model(case: Case) -> torch.nn.Module:
