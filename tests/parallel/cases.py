@@ -212,9 +212,14 @@ def run_on_two_ranks(cases: list[Case], out: str) -> dict[str, object]:
     processes = [context.Process(target=_worker, args=(rank, port, cases, out)) for rank in range(WORLD)]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(timeout=600)
-        assert process.exitcode == 0, f"rank exited with {process.exitcode}"
+    try:
+        for process in processes:
+            process.join(timeout=1200)
+            assert process.exitcode == 0, f"rank exited with {process.exitcode}"
+    finally:
+        for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
+            if process.is_alive():
+                process.kill()
     return torch.load(out, weights_only=False)
 
 
