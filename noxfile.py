@@ -97,3 +97,16 @@ def gpu(session: nox.Session) -> None:
     ``nox -s gpu -- --dry-run`` runs every check on the CPU with no CUDA call and installs nothing."""
     install = [] if "--dry-run" in session.posargs else ["--install", "--install-timeout", "60"]
     session.run("python", "-m", "benchmarks.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})
+
+
+DEEPSPEED = "deepspeed==0.19.8"  # Ulysses (ALST) for transformers; runs on the CPU with gloo
+
+
+@nox.session
+def distributed(session: nox.Session) -> None:
+    """One packed row split over 2 CPU ranks (gloo): DeepSpeed Ulysses and packfree's head-parallel mixers equal one
+    process, torch's context_parallel refused (tests/parallel), plus data parallelism (tests/e2e/test_distributed.py)."""
+    _install(session)
+    session.install(DEEPSPEED)
+    session.run("python", "-m", "pytest", "-q", "tests/parallel", "tests/e2e/test_distributed.py", *session.posargs,
+                env={"HYPOTHESIS_PROFILE": "ci"})

@@ -46,6 +46,7 @@ from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
 from .unpacked import has_holes, reads_as_one_sample_per_row
+from .parallel.torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
     "DECODER_POSITION_IDS",
@@ -454,6 +455,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             # boundaries from cu_seq_lens / seq_idx alone: positions restart in every sample, as each sample alone
             # would number them (the model would otherwise count 0..T-1 across the row)
             kwargs["position_ids"] = boundaries.position_ids
+    if boundaries is not None:
+        refuse_packed_rows_under_context_parallel(boundaries.is_packed)
     _STACK.items[-1] = boundaries
     return args, kwargs
 

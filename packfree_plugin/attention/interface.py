@@ -28,6 +28,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import boundaries_here, in_prepared_forward
 from ..opaque import boundary_function
 from ..unpacked import slices_its_mask
+from ..parallel.shard import whole_row_for_attention
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
 from .varlen import VARLEN_BACKENDS
@@ -207,9 +208,14 @@ def packfree_attention_forward(
         return _packed_seq2seq_attention(module, query, key, value, attention_mask, options, position_bias,
                                          training=training), None
     if isinstance(attention_mask, Boundaries):
+        attention_mask = whole_row_for_attention(attention_mask, query.shape[2])
         return run_packed_attention(query, key, value, attention_mask, options, training=training), None
     if attention_mask is None:
-        boundaries = kwargs.get("packfree_boundaries")  # a model that made no mask (none of its layers needs one)
+        # a model that made no mask (none of its layers needs one), or Ulysses, which drops it and gathers the row
+        boundaries = kwargs.get("packfree_boundaries")
+        if boundaries is None and _wrapped_by_sequence_parallel():  # a layer that forwards no kwargs (BERT)
+            boundaries = current()
+        boundaries = whole_row_for_attention(boundaries, query.shape[2])
         if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
@@ -233,6 +239,14 @@ def packfree_attention_forward(
         )
     return _masked_attention(module, query, key, value, attention_mask, options, training=training,
                              position_bias=position_bias, **kwargs)
+
+
+def _wrapped_by_sequence_parallel() -> bool:
+    """Whether something (DeepSpeed's Ulysses) replaced packfree's entry in transformers' attention registry with
+    a wrapper that gathers the row and calls packfree's function without a mask."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get("packfree") not in (None, packfree_attention_forward)
 
 
 def _chunk_of(module: torch.nn.Module) -> int | None:

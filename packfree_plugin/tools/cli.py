@@ -66,7 +66,7 @@ def _demo_vlm(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import environment, plan, render
+    from .doctor import environment, parallel_layout, plan, render, sequence_parallel_support
 
     print("## packages\n")
     for package, version in environment():
@@ -74,6 +74,9 @@ def _doctor(args: argparse.Namespace) -> int:
     import torch
 
     print(f"- CUDA: {'available, ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
+    print("\n## parallel layout\n")
+    for what, value in parallel_layout():
+        print(f"- {what}: {value}")
     status = 0
     for target in [_target(model) for model in args.models]:
         print(f"\n## {target}\n")
@@ -84,6 +87,7 @@ def _doctor(args: argparse.Namespace) -> int:
             status = 1
             continue
         print(render(plans))
+        print(f"\none packed row split over ranks: {sequence_parallel_support(target)}")
         if not all(p.boundary_safe for p in plans):
             status = 1
     return status

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..adapters.entry import MixerAdapter, adapter_for
 
-__all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "plan", "render"]
+__all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "parallel_layout", "plan", "render", "sequence_parallel_support"]
 
 KERNEL_PACKAGES = {
     # import name: distribution name
@@ -145,3 +145,56 @@ def render(plans: list[LayerPlan]) -> str:
         safe = "yes" if first.boundary_safe else f"NO ({first.note})"
         lines.append(f"| {where} | {first.cls} | {first.kind} | {first.backend} | {safe} | {first.compiled} |")
     return "\n".join(lines)
+
+
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def parallel_layout() -> list[tuple[str, str]]:
+    """``(what, value)`` for the parallel layout this process sees: the launcher's variables (torchrun, accelerate,
+    deepspeed set them), torch.distributed's group, DeepSpeed's sequence-parallel group, whether Ulysses wraps
+    packfree attention, and whether torch's context_parallel is active."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from ..parallel import torch_context_parallel_active
+
+    layout = [(name, os.environ[name]) for name in _LAUNCHER_VARIABLES if name in os.environ]
+    if dist.is_available() and dist.is_initialized():
+        layout.append(("torch.distributed", f"{dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}"))
+    else:
+        layout.append(("torch.distributed", "not initialised (one process)"))
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    group = getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
+    if group is not None:
+        layout.append(("DeepSpeed sequence parallel", f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ..attention.interface import packfree_attention_forward
+
+    wrapped = ALL_ATTENTION_FUNCTIONS.get("packfree") not in (None, packfree_attention_forward)
+    layout.append(("packfree attention", "wrapped (DeepSpeed Ulysses)" if wrapped else "direct"))
+    layout.append(("torch context_parallel", "active: packed rows refused" if torch_context_parallel_active()
+                   else "not active"))
+    return layout
+
+
+def sequence_parallel_support(target: str) -> str:
+    """Whether ``target``'s packed rows can be split over ranks (``"yes"``, else the set-up refusal's message)."""
+    from ..parallel.shard import _refuse_unsupported
+    from ..parallel.ulysses import refuse_latent_attention
+    from ..registration import register
+    from ..tiny import auto_class, load_config
+
+    register()
+    config = load_config(target)
+    with torch.device("meta"):
+        model = auto_class(config).from_config(config, attn_implementation="packfree")
+    try:
+        _refuse_unsupported(model)
+        refuse_latent_attention(model)
+    except ValueError as error:
+        return f"refused: {error}"
+    return "yes (DeepSpeed Ulysses for attention, head-parallel mixers; docs/distributed.md)"

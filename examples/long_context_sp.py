@@ -1,0 +1,71 @@
+"""Train on one packed row split over several ranks (DeepSpeed Ulysses + packfree), on the CPU or on GPUs.
+
+    torchrun --nproc-per-node 2 examples/long_context_sp.py                       # tiny Qwen3-Next, gloo, CPU
+    torchrun --nproc-per-node 2 examples/long_context_sp.py --model lfm2 --tokens 8192 --steps 5
+
+Every rank holds T/P tokens of the same packed row; the loss printed is the row's mean token loss, the sum of the
+ranks' shares, which equals one process's (tests/parallel checks the loss and every gradient). See
+docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+
+def packed_row(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    """One packed row of about ``tokens`` tokens: random samples of 64..1024 tokens, as DataCollatorWithFlattening
+    packs them (labels -100 at every sample's first token)."""
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(seed)
+    samples, total = [], 0
+    while total < tokens:
+        length = min(int(torch.randint(64, 1025, (1,), generator=generator)), tokens - total)
+        samples.append({"input_ids": torch.randint(3, 120, (length,), generator=generator).tolist()})
+        total += length
+    return dict(DataCollatorWithFlattening()(samples))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3_next", help="a model type (tiny random weights) or a model directory")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    import deepspeed
+
+    from packfree_plugin.parallel import register_ulysses, shard_batch, shard_loss
+    from packfree_plugin.tiny import load_model
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(args.model, "packfree", dtype=torch.float32).to(device).train()
+    mpu = register_ulysses(model, world)  # the whole world is one sequence-parallel group here
+    group = mpu.get_sequence_parallel_group()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(args.steps):
+        inputs, targets = shard_batch(packed_row(args.tokens, seed=step), rank, world)
+        inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+        loss = shard_loss(model(**inputs).logits, targets.to(device), group)
+        loss.backward()
+        for parameter in model.parameters():  # each rank holds its share of every gradient: sum them
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, group=group)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        if rank == 0:
+            print(f"step {step}: {args.tokens} tokens over {world} ranks "
+                  f"({inputs['input_ids'].shape[1]} each), loss {total.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Cutting a packed batch into sequence-parallel shards, and the loss whose sum over ranks is one process's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..boundaries import Boundaries
+
+__all__ = ["shard_batch", "shard_loss"]
+
+IGNORE = -100
+
+
+def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, causal: bool = True,
+                pad_token_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """This rank's shard of a packed batch (``input_ids`` / ``position_ids`` / ``labels`` ``[B, T]``, as
+    ``DataCollatorWithFlattening`` or :class:`packfree_plugin.PackedCollator` build it; ``cu_seq_lens`` / ``seq_idx``
+    are turned into ``position_ids``) -> ``(inputs [B, T'/P], targets [B, T'/P])``.
+
+    ``T`` is padded to ``T'``, a multiple of ``world_size``, with one padding sample (positions 0, 1, ...; targets
+    -100), which no real sample sees. ``targets`` are what each token predicts: for a causal LM the row's labels
+    shifted left by one *before* sharding (so a shard's last token predicts the next shard's first, and a sample's
+    last token predicts nothing: its next label is the -100 at the next sample's start); otherwise the labels.
+    Pass ``inputs`` to the model and ``targets`` to :func:`shard_loss`."""
+    tokens = batch["input_ids"]
+    batch_size, seq_len = tokens.shape
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = Boundaries.from_model_inputs(
+            batch_size=batch_size, seq_len=seq_len, device=tokens.device, cu_seq_lens_q=batch.get("cu_seq_lens_q"),
+            cu_seq_lens_k=batch.get("cu_seq_lens_k"), max_length_q=batch.get("max_length_q"),
+            max_length_k=batch.get("max_length_k"), seq_idx=batch.get("seq_idx")).position_ids.to(torch.long)
+    labels = batch.get("labels")
+    if labels is None:
+        raise ValueError("shard_batch needs labels [B, T] (-100 at every packed sample's first token)")
+    pad = -seq_len % world_size
+    if causal:
+        labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), IGNORE)], dim=1)
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_full((batch_size, pad), pad_token_id)], dim=1)
+        filler = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device).expand(batch_size, pad)
+        position_ids = torch.cat([position_ids, filler], dim=1)
+        labels = torch.cat([labels, labels.new_full((batch_size, pad), IGNORE)], dim=1)
+    width = (seq_len + pad) // world_size
+    mine = slice(rank * width, (rank + 1) * width)
+    inputs = {"input_ids": tokens[:, mine], "position_ids": position_ids[:, mine]}
+    return inputs, labels[:, mine]
+
+
+def shard_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This shard's share of the row's mean token loss: ``logits [B, T/P, V]``, ``targets [B, T/P]`` (-100: none)
+    -> the sum of its tokens' cross-entropies over the number of targets on every rank of ``group``. Summed over the
+    group it is one process's mean loss, and so are the gradients (each rank backpropagates its own share)."""
+    count = (targets != IGNORE).sum().to(torch.float64)
+    dist.all_reduce(count, group=group)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    losses = F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=IGNORE, reduction="sum")
+    return losses / count.to(losses.dtype)

@@ -1,0 +1,60 @@
+"""The default suite's subset of the sequence-parallel checks (no DeepSpeed needed; ``nox -s distributed`` runs
+the rest): one packed row split over 2 CPU ranks (gloo) must give one process's loss and gradients.
+
+- Mamba2, Mamba: no attention, so every token-mixing op runs head-parallel (:mod:`packfree_plugin.parallel.heads`);
+  rows of odd length (padded to the group) with a sample crossing the shard edge.
+- the same with shard-local boundaries planted: the gradients must differ.
+- LFM2 without Ulysses: its attention would see only the shard; refused in the first forward.
+- torch's context_parallel with a packed row: refused in the first forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance
+
+LENGTHS = (5, 9, 3)  # 17 tokens (padded to 18): the 9-token sample spans tokens 5..13, across the edge at 9
+CASES = {
+    "mamba2": Case("mamba2", LENGTHS),
+    "mamba2_ckpt": Case("mamba2", LENGTHS, checkpointing=True),
+    "mamba": Case("mamba", LENGTHS),
+    "one_sample": Case("mamba2", (16,)),  # one sample over both ranks: each shard alone looks unpacked
+    "planted": Case("mamba2", LENGTHS, plant="shard_edges"),
+    "attention_without_ulysses": Case("lfm2", LENGTHS),
+    "torch_cp": Case("llama", (5, 9, 6), engine="torch_cp"),  # torch's CP wants rows divisible by 2 x ranks
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, object]:
+    return run_on_two_ranks(list(CASES.values()), str(tmp_path_factory.mktemp("sp") / "results.pt"))
+
+
+@pytest.mark.parametrize("key", ["mamba2", "mamba2_ckpt", "mamba", "one_sample"])
+def test_mixers_split_over_ranks_equal_one_process(key: str, results) -> None:
+    case = CASES[key]
+    result = results[case.name]
+    expected_loss, expected = one_process(case)
+    assert result.loss == pytest.approx(expected_loss, rel=tolerance(case, result))
+    error, name = relative_error(result.grads, expected)
+    assert error <= tolerance(case, result), (name, error)
+
+
+def test_shard_edges_taken_as_sample_starts_are_caught(results) -> None:
+    result = results[CASES["planted"].name]
+    expected_loss, expected = one_process(CASES["mamba2"])
+    error, _ = relative_error(result.grads, expected)
+    assert error > 1e-3 and abs(result.loss - expected_loss) > 1e-4
+
+
+def test_attention_on_a_shard_is_refused_without_ulysses(results) -> None:
+    error = results[CASES["attention_without_ulysses"].name]
+    assert isinstance(error, ValueError) and "Ulysses" in str(error)
+
+
+def test_packed_row_under_torch_context_parallel_is_refused(results) -> None:
+    error = results[CASES["torch_cp"].name]
+    assert isinstance(error, ValueError), error
+    assert "context_parallel" in str(error) and "Ulysses" in str(error)
+
