@@ -81,3 +81,18 @@ def gpu(session: nox.Session) -> None:
     ``nox -s gpu -- --dry-run`` runs every check on the CPU with no CUDA call and installs nothing."""
     install = [] if "--dry-run" in session.posargs else ["--install", "--install-timeout", "60"]
     session.run("python", "-m", "benchmarks.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})
+
+
+UPSTREAM_TEST_REQUIREMENTS = ["parameterized>=0.9", "httpx>=0.27", "pytest-timeout>=2.3", "timeout-decorator>=0.5"]
+
+
+@nox.session
+def upstream(session: nox.Session) -> None:
+    """transformers' own padding-free tests with stock sdpa and with packfree in FlashAttention's place, on the CPU;
+    writes docs/upstream-padding-free.md. ``nox -s upstream -- PATH [--models llama bert]``, PATH holding
+    transformers' ``tests/`` and ``utils/`` folders of a release (see that file for how to get them)."""
+    if not session.posargs:
+        session.error("give the path of a folder holding transformers' tests/ and utils/ (nox -s upstream -- PATH)")
+    _install(session)
+    session.install(*UPSTREAM_TEST_REQUIREMENTS)
+    session.run("python", "-m", "tests.upstream.run", *session.posargs)
