@@ -303,7 +303,13 @@ def _max_difference(actual: Any, expected: Any) -> str:
 
 
 def _generative_classes(testcase_class: type[unittest.TestCase], method: str) -> tuple[type, ...]:
-    return tuple(testcase_class(method).all_generative_model_classes)
+    """The test class's generative model classes (some test classes fill ``all_model_classes`` in ``setUp``)."""
+    case = testcase_class(method)
+    case.setUp()
+    try:
+        return tuple(case.all_generative_model_classes)
+    finally:
+        case.tearDown()
 
 
 @pytest.hookimpl(trylast=True)
@@ -317,7 +323,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             continue
         testcase_class = item.cls
         try:
-            model_classes: tuple[type | None, ...] = _generative_classes(testcase_class, item.name) or (None,)
+            model_classes: tuple[type | None, ...] = (
+                (None,) if _own_skip(testcase_class, item.name) is not None
+                else _generative_classes(testcase_class, item.name) or (None,))
         except Exception as error:  # a test class that cannot even list its classes is recorded, not hidden
             _write(_result(item, None, "crash", f"listing model classes: {type(error).__name__}: {error}"))
             continue
