@@ -75,7 +75,8 @@ class ComparisonMismatch(AssertionError):
 
 
 def _raising_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
-    frames = traceback.extract_tb(tb)
+    """The innermost frame outside this plugin (a failed comparison names the test's line, not the wrapper's)."""
+    frames = [frame for frame in traceback.extract_tb(tb) if Path(frame.filename).name != Path(__file__).name]
     return frames[-1] if frames else None
 
 

@@ -60,25 +60,38 @@ def read_results(path: Path) -> list[Result]:
 
 
 def by_class(results: Sequence[Result]) -> dict[ClassKey, dict[str, Result]]:
-    """``{class: {test name: result}}`` for one implementation (collection errors left out)."""
+    """``{class: {test name: result}}`` for one implementation (collection errors left out). A test the file
+    skips for its whole test class is recorded without model classes (``-``); it joins each model class the
+    same test class has from its other tests, and stands alone only when there is none."""
     table: dict[ClassKey, dict[str, Result]] = defaultdict(dict)
+    unlisted: list[Result] = []
     for result in results:
-        if result.outcome != "collection_error":
+        if result.outcome == "collection_error":
+            continue
+        if result.model_class == "-":
+            unlisted.append(result)
+        else:
             table[ClassKey(result.module, result.test_class, result.model_class)][result.test] = result
-    return table
+    for result in unlisted:
+        siblings = [key for key in table if (key.module, key.test_class) == (result.module, result.test_class)]
+        for key in siblings or [ClassKey(result.module, result.test_class, "-")]:
+            table[key].setdefault(result.test, result)
+    return dict(table)
 
 
 def class_outcomes(results: Sequence[Result]) -> dict[ClassKey, str]:
     return {key: combine(r.outcome for r in tests.values()) for key, tests in by_class(results).items()}
 
 
-def _worst_detail(tests: dict[str, Result]) -> str:
-    worst = max(tests.values(), key=lambda r: SEVERITY[r.outcome])
-    if worst.outcome in ("pass", "not_applicable"):
+def _worst_detail(tests: dict[str, Result], limit: int = 220) -> str:
+    """``test: error (file:line)`` of the worst of a class's tests, the error cut to ``limit`` characters."""
+    worst = max(tests.values(), key=lambda r: SEVERITY[r.outcome], default=None)
+    if worst is None or worst.outcome in ("pass", "not_applicable"):
         return ""
     short = worst.test.removeprefix("test_flash_attention_2_padding_matches_padding_free_")
+    detail = worst.detail if len(worst.detail) <= limit else worst.detail[: limit - 1] + "…"
     where = f" ({worst.where})" if worst.where else ""
-    return f"{short}: {worst.detail}{where}"
+    return f"{short}: {detail}{where}"
 
 
 def render(results: dict[str, list[Result]], *, checkout: str, transformers_version: str,
@@ -150,6 +163,15 @@ def render(results: dict[str, list[Result]], *, checkout: str, transformers_vers
                              f"{_cell(_worst_detail(tables['packfree'].get(key, {})))} |")
         else:
             lines.append("None: every class stock sdpa passes, packfree passes.")
+        other = [k for k in keys if k not in worse and outcomes["packfree"].get(k) != outcomes["sdpa"].get(k)]
+        if other:
+            lines += ["", "## Other classes where the two differ", "",
+                      "| class | sdpa | packfree | sdpa's worst test | packfree's worst test |",
+                      "| --- | --- | --- | --- | --- |"]
+            for key in other:
+                lines.append(f"| {key.label} | " + " | ".join(
+                    LABELS[outcomes[i].get(key, "missing")] for i in ("sdpa", "packfree")) + " | " + " | ".join(
+                    _cell(_worst_detail(tables[i].get(key, {}))) for i in ("sdpa", "packfree")) + " |")
 
     lines += ["", "## Every class", "", "| class | " + " | ".join(impls) + " | detail (the last column's worst "
               "test, else the first's) |", "| --- | " + " | ".join("---" for _ in impls) + " | --- |"]

@@ -71,6 +71,15 @@ def test_the_table_counts_classes_and_names_where_packfree_is_worse() -> None:
     assert "FakeTest · B" not in worse and "FakeTest · C" not in worse
 
 
+def test_a_test_skipped_for_its_whole_test_class_joins_that_class_s_model_classes() -> None:
+    results = [_result("sdpa", "-", "t1", "not_applicable", "the file's reason"), _result("sdpa", "A", "t2", "pass"),
+               _result("sdpa", "B", "t2", "crash")]
+    assert {key.model_class: outcome for key, outcome in class_outcomes(results).items()} == {"A": "pass",
+                                                                                              "B": "crash"}
+    alone = class_outcomes([_result("sdpa", "-", "t1", "not_applicable")])
+    assert [key.model_class for key in alone] == ["-"]
+
+
 # A stand-in for transformers' tree: a test file whose padding-free test needs a GPU and FlashAttention (lifted by
 # the plugin), loads a tiny Llama with attn_implementation="flash_attention_2" (substituted), and behaves per
 # model class: one passes, one compares unequal outputs, one has its class skipped by the file.
