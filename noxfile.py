@@ -110,3 +110,18 @@ def distributed(session: nox.Session) -> None:
     session.install(DEEPSPEED)
     session.run("python", "-m", "pytest", "-q", "tests/parallel", "tests/e2e/test_distributed.py", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+UPSTREAM_TEST_REQUIREMENTS = ["parameterized>=0.9", "httpx>=0.27", "pytest-timeout>=2.3", "timeout-decorator>=0.5"]
+
+
+@nox.session
+def upstream(session: nox.Session) -> None:
+    """transformers' own padding-free tests with stock sdpa and with packfree in FlashAttention's place, on the CPU;
+    writes docs/upstream-padding-free.md. ``nox -s upstream -- PATH [--models llama bert]``, PATH holding
+    transformers' ``tests/`` and ``utils/`` folders of a release (see that file for how to get them)."""
+    if not session.posargs:
+        session.error("give the path of a folder holding transformers' tests/ and utils/ (nox -s upstream -- PATH)")
+    _install(session)
+    session.install(*UPSTREAM_TEST_REQUIREMENTS)
+    session.run("python", "-m", "tests.upstream.run", *session.posargs)

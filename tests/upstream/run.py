@@ -1,0 +1,299 @@
+"""Run transformers' own FlashAttention padding-free tests with stock ``sdpa`` and with ``packfree`` in
+FlashAttention's place, on the CPU, and write the per-class table.
+
+    python -m tests.upstream.run CHECKOUT [--models llama bert] [--out docs/upstream-padding-free.md]
+
+``CHECKOUT`` holds transformers' ``tests/`` and top-level ``utils/`` folders of one release (v5.15.0 is the one
+the table in ``docs/upstream-padding-free.md`` was made from); nothing of it is copied into this project. Each
+implementation runs in its own pytest process (stock with packfree's startup hook off) with the plugin
+``hf_padding_free_plugin`` beside this file; both processes run at once, one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.upstream.hf_padding_free_plugin import OUTCOMES, Result
+
+HERE = Path(__file__).resolve().parent
+PROJECT = HERE.parent.parent
+
+IMPLEMENTATIONS = ("sdpa", "packfree")
+# Worst first: a class's outcome is the worst of its applicable tests.
+SEVERITY = {"mismatch": 4, "crash": 3, "refused": 2, "pass": 1, "not_applicable": 0}
+LABELS = {"pass": "pass", "refused": "refused", "crash": "crash", "mismatch": "silent mismatch",
+          "not_applicable": "not applicable", "missing": "no result"}
+DEFAULT_OUT = PROJECT / "docs" / "upstream-padding-free.md"
+
+
+@dataclass(frozen=True)
+class ClassKey:
+    module: str
+    test_class: str
+    model_class: str
+
+    @property
+    def label(self) -> str:
+        model = self.module.split(".")[-2] if self.module.count(".") >= 2 else self.module
+        return f"{model} · {self.test_class} · {self.model_class}"
+
+
+def combine(outcomes: Iterable[str]) -> str:
+    """A class's outcome over its tests: the worst applicable one; ``not_applicable`` when none applied."""
+    return max(outcomes, key=SEVERITY.__getitem__, default="not_applicable")
+
+
+def read_results(path: Path) -> list[Result]:
+    if not path.exists():
+        return []
+    return [Result(**json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def by_class(results: Sequence[Result]) -> dict[ClassKey, dict[str, Result]]:
+    """``{class: {test name: result}}`` for one implementation (collection errors left out). A test the file
+    skips for its whole test class is recorded without model classes (``-``); it joins each model class the
+    same test class has from its other tests, and stands alone only when there is none."""
+    table: dict[ClassKey, dict[str, Result]] = defaultdict(dict)
+    unlisted: list[Result] = []
+    for result in results:
+        if result.outcome == "collection_error":
+            continue
+        if result.model_class == "-":
+            unlisted.append(result)
+        else:
+            table[ClassKey(result.module, result.test_class, result.model_class)][result.test] = result
+    for result in unlisted:
+        siblings = [key for key in table if (key.module, key.test_class) == (result.module, result.test_class)]
+        for key in siblings or [ClassKey(result.module, result.test_class, "-")]:
+            table[key].setdefault(result.test, result)
+    return dict(table)
+
+
+def class_outcomes(results: Sequence[Result]) -> dict[ClassKey, str]:
+    return {key: combine(r.outcome for r in tests.values()) for key, tests in by_class(results).items()}
+
+
+def _worst_detail(tests: dict[str, Result], limit: int = 220) -> str:
+    """``test: error (file:line)`` of the worst of a class's tests, the error cut to ``limit`` characters."""
+    worst = max(tests.values(), key=lambda r: SEVERITY[r.outcome], default=None)
+    if worst is None or worst.outcome in ("pass", "not_applicable"):
+        return ""
+    short = worst.test.removeprefix("test_flash_attention_2_padding_matches_padding_free_")
+    detail = worst.detail if len(worst.detail) <= limit else worst.detail[: limit - 1] + "…"
+    where = f" ({worst.where})" if worst.where else ""
+    return f"{short}: {detail}{where}"
+
+
+def render(results: dict[str, list[Result]], *, checkout: str, transformers_version: str,
+           runtimes: dict[str, float], models: Sequence[str]) -> str:
+    """The markdown report: counts per implementation, the classes where packfree does worse than stock, every
+    class, and the test modules that did not import."""
+    outcomes = {impl: class_outcomes(rs) for impl, rs in results.items()}
+    tables = {impl: by_class(rs) for impl, rs in results.items()}
+    keys = sorted(set().union(*(o.keys() for o in outcomes.values())), key=lambda k: k.label)
+    impls = list(results)
+    lines = [
+        "# transformers' own padding-free tests, with packfree in FlashAttention's place",
+        "",
+        "Generated by `tests/upstream/run.py`; do not edit by hand.",
+        "",
+        "transformers' `test_flash_attention_2_padding_matches_padding_free_with_position_ids` and",
+        "`..._with_position_ids_and_fa_kwargs` (and any test a model file adds with that prefix) compare a padded",
+        "batch's logits with the same samples packed into one row, in bfloat16. Here they run on the CPU, once per",
+        "generative model class, with `from_pretrained(attn_implementation=\"flash_attention_2\")` handed"
+        " each implementation",
+        "below instead, and their GPU / FlashAttention / slow requirements lifted (a model file's own `unittest.skip`",
+        "is kept: that class is *not applicable*). Same seeds, inputs and tolerance for every implementation.",
+        "",
+        f"- test tree: `{checkout}`; installed transformers: {transformers_version}",
+        f"- runtime: " + ", ".join(f"{impl} {runtimes.get(impl, 0.0) / 60:.1f} min" for impl in impls)
+        + " (both at once, one thread each, on a shared 2-core machine)",
+    ]
+    if models:
+        lines.append(f"- restricted to the model folders: {', '.join(models)}")
+    lines += [
+        "",
+        "A class's outcome is the worst of its applicable tests: *silent mismatch* (ran, logits differ beyond the",
+        "test's tolerance) > *crash* (any other exception) > *refused* (a `ValueError` raised by packfree itself, at",
+        "load or call) > *pass*. *not applicable*: every test skipped itself (the test's own checks or the file's",
+        "`unittest.skip`).",
+        "",
+        "## Counts (model classes)",
+        "",
+        "| outcome | " + " | ".join(impls) + " |",
+        "| --- | " + " | ".join("---:" for _ in impls) + " |",
+    ]
+    for outcome in (*OUTCOMES, "missing"):
+        counts = [sum(1 for k in keys if outcomes[impl].get(k, "missing") == outcome) for impl in impls]
+        if outcome == "missing" and not any(counts):
+            continue
+        lines.append(f"| {LABELS[outcome]} | " + " | ".join(str(c) for c in counts) + " |")
+    collection = {impl: sorted({r.module for r in rs if r.outcome == "collection_error"}) for impl, rs in
+                  results.items()}
+    lines.append("| test modules that did not import | " + " | ".join(str(len(collection[i])) for i in impls)
+                 + " |")
+    lines.append(f"| model classes in all | " + " | ".join(str(len(keys)) for _ in impls) + " |")
+
+    per_test = {impl: Counter((r.test.removeprefix("test_flash_attention_2_padding_matches_padding_free_"),
+                               r.outcome) for r in rs if r.outcome != "collection_error")
+                for impl, rs in results.items()}
+    tests = sorted({name for c in per_test.values() for name, _ in c})
+    lines += ["", "Per test (model classes): " + "; ".join(
+        f"`{name}` " + ", ".join(f"{impl} {per_test[impl][(name, 'pass')]} pass" for impl in impls)
+        for name in tests) + "."]
+
+    if "sdpa" in outcomes and "packfree" in outcomes:
+        worse = [k for k in keys if SEVERITY.get(outcomes["packfree"].get(k, "crash"), 3) > 1
+                 and outcomes["sdpa"].get(k) == "pass"]
+        lines += ["", "## Where packfree does worse than stock sdpa", ""]
+        if worse:
+            lines += ["| class | packfree | why |", "| --- | --- | --- |"]
+            for key in worse:
+                lines.append(f"| {key.label} | {LABELS[outcomes['packfree'].get(key, 'missing')]} | "
+                             f"{_cell(_worst_detail(tables['packfree'].get(key, {})))} |")
+        else:
+            lines.append("None: every class stock sdpa passes, packfree passes.")
+        other = [k for k in keys if k not in worse and outcomes["packfree"].get(k) != outcomes["sdpa"].get(k)]
+        if other:
+            lines += ["", "## Other classes where the two differ", "",
+                      "| class | sdpa | packfree | sdpa's worst test | packfree's worst test |",
+                      "| --- | --- | --- | --- | --- |"]
+            for key in other:
+                lines.append(f"| {key.label} | " + " | ".join(
+                    LABELS[outcomes[i].get(key, "missing")] for i in ("sdpa", "packfree")) + " | " + " | ".join(
+                    _cell(_worst_detail(tables[i].get(key, {}))) for i in ("sdpa", "packfree")) + " |")
+
+    lines += ["", "## Every class", "", "| class | " + " | ".join(impls) + " | detail (the last column's worst "
+              "test, else the first's) |", "| --- | " + " | ".join("---" for _ in impls) + " | --- |"]
+    for key in keys:
+        details = [_worst_detail(tables[impl].get(key, {})) for impl in reversed(impls)]
+        detail = next((d for d in details if d), "")
+        lines.append(f"| {key.label} | " + " | ".join(LABELS[outcomes[i].get(key, 'missing')] for i in impls)
+                     + f" | {_cell(detail)} |")
+
+    all_collection = sorted(set().union(*collection.values()))
+    if all_collection:
+        details = {r.module: r.detail for rs in results.values() for r in rs if r.outcome == "collection_error"}
+        lines += ["", "## Test modules that did not import (v5.15 tests against the installed transformers)", "",
+                  "| module | " + " | ".join(impls) + " | error |", "| --- | " + " | ".join("---" for _ in impls)
+                  + " | --- |"]
+        for module in all_collection:
+            marks = ["did not import" if module in collection[i] else "imported" for i in impls]
+            lines.append(f"| {module} | " + " | ".join(marks) + f" | {_cell(details[module])} |")
+    lines += ["", "## Reproduce", "", *REPRODUCE, ""]
+    return "\n".join(lines)
+
+
+REPRODUCE = [
+    "Get transformers' test tree of the release outside this project: its `tests/` and top-level `utils/` folders",
+    "(its tests import `utils/`) and its `src/transformers/testing_utils.py` (the v5.15 testers import constants",
+    "from it that 5.24 dropped; the harness reads only literal constants from it), for instance from a clone:",
+    "",
+    "```",
+    "mkdir -p /tmp/hf-tests",
+    "git -C transformers archive v5.15.0 tests utils src/transformers/testing_utils.py | tar -x -C /tmp/hf-tests",
+    "```",
+    "",
+    "then run both implementations and regenerate this file:",
+    "",
+    "```",
+    "python3 -m nox -s upstream -- /tmp/hf-tests --tree-label v5.15.0          # every model folder",
+    "python3 -m nox -s upstream -- /tmp/hf-tests --models llama bert --out /tmp/few.md   # a few folders",
+    "```",
+    "",
+    "The session installs the tests' own requirements (`parameterized`, `httpx`, `pytest-timeout`,",
+    "`timeout-decorator`) beside packfree's; results and logs land in `upstream-results/`. The default suite never",
+    "needs the tree (`tests/upstream/test_harness.py` runs the plugin on a small stand-in).",
+]
+
+
+def _cell(text: str) -> str:
+    """``text`` fit for a table cell, with this machine's install paths cut to the package's own."""
+    return re.sub(r"/\S*/site-packages/", "", text).replace("|", "\\|")
+
+
+def _files(checkout: Path, models: Sequence[str]) -> list[str]:
+    folders = [checkout / "tests" / "models" / m for m in models] if models else [checkout / "tests" / "models"]
+    missing = [str(f) for f in folders if not f.is_dir()]
+    if missing:
+        raise SystemExit(f"no such model test folder: {', '.join(missing)}")
+    return [str(f.relative_to(checkout)) for f in folders]
+
+
+def run(checkout: Path, *, models: Sequence[str], implementations: Sequence[str], results_dir: Path,
+        timeout_s: int) -> dict[str, float]:
+    """Both pytest processes at once; ``{implementation: seconds}``. Results land in ``results_dir/IMPL.jsonl``."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    processes = {}
+    started = {}
+    for impl in implementations:
+        out = results_dir / f"{impl}.jsonl"
+        out.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               "PACKFREE_UPSTREAM_IMPL": impl, "PACKFREE_UPSTREAM_RESULTS": str(out), "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PACKFREE_AUTOLOAD": "1" if impl == "packfree" else "0"}
+        command = [sys.executable, "-m", "pytest", "-p", "hf_padding_free_plugin", "-p", "no:cacheprovider",
+                   "-p", "timeout", f"--timeout={timeout_s}", "--rootdir", str(checkout), "-q", "-rN",
+                   "--continue-on-collection-errors", "-W", "ignore", *_files(checkout, models)]
+        log = open(results_dir / f"{impl}.log", "w", encoding="utf-8")  # closed when the process ends
+        started[impl] = time.monotonic()
+        processes[impl] = (subprocess.Popen(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT),
+                           log)
+    runtimes = {}
+    for impl, (process, log) in processes.items():
+        process.wait()
+        log.close()
+        runtimes[impl] = time.monotonic() - started[impl]
+        print(f"{impl}: pytest exit {process.returncode} after {runtimes[impl] / 60:.1f} min "
+              f"(log {results_dir / f'{impl}.log'})")
+    return runtimes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkout", type=Path, help="folder holding transformers' tests/ and utils/ folders")
+    parser.add_argument("--models", nargs="*", default=[], help="model folders under tests/models (default all)")
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the markdown file to write")
+    parser.add_argument("--results-dir", type=Path, default=PROJECT / "upstream-results")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds one item may run")
+    parser.add_argument("--tree-label", default="", help="how the table names the tree (default its folder)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the markdown from the last results")
+    args = parser.parse_args(argv)
+    checkout = args.checkout.resolve()
+    if not (checkout / "tests" / "test_modeling_common.py").is_file() or not (checkout / "utils").is_dir():
+        parser.error(f"{checkout} does not hold transformers' tests/test_modeling_common.py and utils/")
+    runtimes_file = args.results_dir / "runtimes.json"
+    if args.report_only:
+        runtimes = json.loads(runtimes_file.read_text()) if runtimes_file.exists() else {}
+    else:
+        runtimes = run(checkout, models=args.models, implementations=args.implementations,
+                       results_dir=args.results_dir, timeout_s=args.timeout)
+        runtimes_file.write_text(json.dumps(runtimes))
+    import transformers
+
+    results = {impl: read_results(args.results_dir / f"{impl}.jsonl") for impl in args.implementations}
+    report = render(results, checkout=args.tree_label or checkout.name, transformers_version=transformers.__version__,
+                    runtimes=runtimes, models=args.models)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report, encoding="utf-8")
+    for impl in args.implementations:
+        counts = Counter(class_outcomes(results[impl]).values())
+        print(f"{impl}: " + ", ".join(f"{LABELS[o]} {counts[o]}" for o in OUTCOMES))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
