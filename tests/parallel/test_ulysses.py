@@ -1,7 +1,7 @@
 """DeepSpeed Ulysses with packfree as its core attention: one packed row split over 2 CPU ranks (gloo) gives one
 process's loss and every parameter's gradient, for attention models, hybrids, an MoE and an encoder. Needs
-deepspeed (``nox -s distributed`` installs it; the default test extra does not, so the default suite skips this
-module and runs tests/parallel/test_head_parallel.py).
+deepspeed (``nox -s distributed`` installs it; the default test extra does not, so without it this module is not
+collected (tests/parallel/conftest.py) and the default suite runs tests/parallel/test_head_parallel.py).
 
 Open (see docs/distributed.md): Llama on the even row, Llama in float32, LFM2 with checkpointing and Qwen3-Next
 with one sample over both ranks did not finish on the loaded CI machine (a hang in one of them is not ruled out), so
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("deepspeed")
-
-from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance  # noqa: E402
+from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance
 
 ODD, EVEN = (5, 9, 3), (6, 10)
 EXACT = [
