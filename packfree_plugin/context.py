@@ -1,7 +1,7 @@
 """The per-forward context: the one place that reads a batch and decides its :class:`Boundaries`, and the
 one per-thread stack from which every consumer that transformers' ``**kwargs`` do not reach reads them.
 
-How boundaries flow through one forward (the README draws the same picture)::
+How boundaries flow through one forward (docs/how-it-works.md draws the same picture)::
 
     model(**batch)
       _model_pre_hook ........ reads the batch once (_read_batch -> boundaries_for_call), pushes the
