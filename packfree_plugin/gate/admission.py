@@ -31,8 +31,8 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["COPY_PARAMETERS", "NoCopyError", "TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified", "prove_tiny_copy", "switches",
-           "verified_classes"]
+__all__ = ["COPY_PARAMETERS", "NoCopyError", "TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified",
+           "prove_copy", "prove_tiny_copy", "switches", "verified_classes"]
 
 TRUST_ENV = "PACKFREE_TRUST_UNVERIFIED"
 VERIFIED_FILE = Path(__file__).with_name("verified.json")
@@ -124,7 +124,12 @@ class NoCopyError(RuntimeError):
 
 
 def prove_tiny_copy(model: nn.Module):
-    """The isolation proof on a small random copy of ``model``'s class and config (:class:`.proof.Proof`).
+    """The isolation proof on a small random copy of ``model``'s class and config: :func:`prove_copy`."""
+    return prove_copy(type(model), model.config)
+
+
+def prove_copy(cls: type, config):
+    """The isolation proof on a small random copy of class ``cls`` and ``config`` (:class:`.proof.Proof`).
 
     The copies of :func:`.shrink.proof_configs` are tried in turn, until one builds and runs on stock
     transformers (sdpa, else eager) with the proof's samples: a tiny copy, the tiny copy with each layer kind
@@ -135,22 +140,21 @@ def prove_tiny_copy(model: nn.Module):
     from .proof import LENGTHS, alone_outputs, build_pair, build_stock, prove, sample_tokens
     from .shrink import proof_configs
 
-    cls = type(model)
     failures = []
     # from_pretrained may call this under its meta-device context (transformers 5.20 does): the copy and the
     # proof's inputs need real data
     with bypassed(), torch.device("cpu"):
-        for description, make_config in proof_configs(model.config):
+        for description, make_config in proof_configs(config):
             try:
-                config = make_config()
+                copy_config = make_config()
                 if description.startswith("a copy cut"):  # the tiny copies are small by construction
-                    _check_size(cls, config)
-                stock, _ = build_stock(cls, config)
-                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(config)))
+                    _check_size(cls, copy_config)
+                stock, _ = build_stock(cls, copy_config)
+                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config)))
             except Exception as error:  # noqa: BLE001 - stock cannot run this copy: try the next one
                 failures.append(f"{description}: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            packed, stock, implementation = build_pair(cls, config)
+            packed, stock, implementation = build_pair(cls, copy_config)
             proof = prove(packed, stock, stock_name=implementation)
             proof.copy = description
             return proof
@@ -185,6 +189,9 @@ def _refusal(model: nn.Module) -> str | None:
     except NoCopyError as error:  # no copy runs on stock: nothing can be proved
         return (f"packfree could not prove {name} (model type {model_type!r}) exact on packed rows: stock "
                 f"transformers runs no small copy of its config ({error}); {opt_out}")
+    except Exception as error:  # noqa: BLE001 - packfree refused the copy at load (layers it cannot run exactly)
+        return (f"packfree refuses {name} (model type {model_type!r}): {type(error).__name__}: {error}. "
+                f"Load it without attn_implementation='packfree', or {opt_out}")
     if proof.exact:
         return None
     return (f"packfree refuses {name} (model type {model_type!r}): on {proof.copy}, {proof.summary()}. "

@@ -67,6 +67,8 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
     "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
     "emu3": dict(vocabulary_map={"<image>": 120, "<|extra_200|>": 121, "<|visual token 000000|>": 122,
                                  "<|visual token 000001|>": 123}),  # BPE ids of VQ codes, in the tiny top ids
+    "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
+                token_dropout=True, emb_layer_norm_before=False),  # facebook/esm2_t6_8M_UR50D; no vocabulary by default
     "reformer": dict(is_decoder=True),  # its causal-LM head asserts it (google/reformer-crime-and-punishment)
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
@@ -424,8 +426,8 @@ def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
     from transformers import PreTrainedConfig
 
     for name, value in values.items():
-        sub = getattr(config, name, None)
-        if isinstance(value, dict) and isinstance(sub, PreTrainedConfig):
+        sub = getattr(config, name, None) if isinstance(value, dict) and _has_setting(config, name) else None
+        if isinstance(sub, PreTrainedConfig):
             values[name] = _without_derived(value, sub)
     if not dataclasses.is_dataclass(config):
         return values
@@ -436,7 +438,17 @@ def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the class needs its other settings to build: keep them all
         return values
     return {**given, **{name: value for name, value in values.items()
-                        if name not in fields and not hasattr(derived, name)}}
+                        if name not in fields and not _has_setting(derived, name)}}
+
+
+def _has_setting(config, name: str) -> bool:
+    """Whether ``config`` has a setting ``name`` (one that raises when read, as a per-layer one read globally, counts
+    as absent)."""
+    try:
+        getattr(config, name)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def tiny_config_for(model_type: str):

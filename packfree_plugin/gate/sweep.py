@@ -59,6 +59,8 @@ class Result:
     gate_refuses: bool | None = None  # for non-exact targets: whether admit() refuses the model at load
     config_type: str = ""  # model_type of the config the class was built from (a composite type's text config)
     switches: dict | None = None  # for exact targets: the config switches proved (admission.switches)
+    default_config: str = ""  # the gate on the config class's defaults: see user_config_checks
+    tester_config: str = ""  # the gate on a ModelTester-style config (2 heads, 2 kv heads, hidden 32)
 
 
 def _names(value: str | Sequence[str]) -> list[str]:
@@ -103,7 +105,14 @@ def _error(error: BaseException) -> str:
 
 
 def run_target(target: Target) -> Result:
-    """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate."""
+    """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate; then the
+    gate on a user's configs (:func:`user_config_checks`)."""
+    result = _prove_target(target)
+    user_config_checks(target, result)
+    return result
+
+
+def _prove_target(target: Target) -> Result:
     import transformers
 
     from .admission import bypassed, prove_tiny_copy, switches
@@ -154,6 +163,89 @@ def run_target(target: Target) -> Result:
         except Exception:  # noqa: BLE001 - the gate refuses what it cannot prove
             result.gate_refuses = True
     return result
+
+
+TESTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=37, vocab_size=99)
+"""The widths of transformers' own ModelTester configs (its test suites' tiny models)."""
+
+
+def tester_config(config):
+    """``config`` (a type's defaults) as transformers' test suites size it: :data:`TESTER` on its text config (those
+    of its settings it has), as few layers as keep each layer kind; the rest derived again from them."""
+    from .shrink import _is_width, _shrink_layers, _without_derived
+
+    import dataclasses
+
+    values = config.to_dict()
+    text_config = config.get_text_config(decoder=True)
+    text_name = next((name for name, value in vars(config).items() if value is text_config), None)
+    text = values[text_name] if text_name in values and isinstance(values[text_name], dict) else values
+    text.update({name: value for name, value in TESTER.items() if name in text})
+    if dataclasses.is_dataclass(text_config):  # settings left to their derived default derive from the new widths
+        text.update({field.name: None for field in dataclasses.fields(text_config)
+                     if field.default is None and text.get(field.name) is not None and field.name not in TESTER
+                     and _is_width(field.name)})
+    if isinstance(text.get("head_dim"), int):
+        text["head_dim"] = 16
+    count = text.get("num_hidden_layers")
+    if isinstance(count, int) and count > 2:
+        text["num_hidden_layers"] = _shrink_layers(text, count, repeats=2)
+    for name in ("model_type", "_name_or_path", "transformers_version", "architectures", "dtype"):
+        values.pop(name, None)
+    return type(config)(**_without_derived(values, config))
+
+
+def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
+    """What the gate does at load for a class it has not verified, on the config ``make_config()`` returns:
+    ``exact`` (admitted), ``refused: ...`` (the copy is not exact: the model's own reason), ``no copy: ...`` (no
+    copy of the config runs on stock: packfree's problem), ``config: ...`` (stock cannot make the config, or with
+    ``stock_runs_it``, a small one, cannot build and run it as it is)."""
+    from .admission import NoCopyError, bypassed, prove_copy
+    from .proof import alone_outputs, build_stock, sample_tokens
+
+    try:
+        config = make_config()
+        if stock_runs_it:
+            with bypassed():
+                stock, _ = build_stock(cls, config)
+                alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 99)))
+    except Exception as error:  # noqa: BLE001
+        return f"config: {_error(error)}"[:300]
+    try:
+        proof = prove_copy(cls, config)
+    except NoCopyError as error:
+        return f"no copy: {error}"[:300]
+    except Exception as error:  # noqa: BLE001 - refused at load
+        return f"refused: {_error(error)}"[:300]
+    return "exact" if proof.exact else f"refused: {proof.verdict()}"[:300]
+
+
+def user_config_checks(target: Target, result: Result) -> None:
+    """Set ``result.default_config`` / ``tester_config``: the gate (:func:`_gate_on`) on the config class's
+    defaults (with :data:`.shrink._PUBLISHED`'s values) and on :func:`tester_config` of them, both as the
+    target's class gets them (a composite type's text config for a text model)."""
+    import transformers
+    from transformers import AutoConfig
+
+    from .shrink import _PUBLISHED, shrink_config, tiny_config_for
+
+    cls = getattr(transformers, target.cls)
+
+    def defaults():
+        config = AutoConfig.for_model(target.model_type, **_PUBLISHED.get(target.model_type, {}))
+        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        return config
+
+    try:  # the gate's first copy of the defaults is the tiny config the target was proved on: the same proof
+        same = result.status == "exact" and (tiny_config_for(target.model_type).to_json_string()
+                                             == shrink_config(AutoConfig.for_model(
+                                                 target.model_type, **_PUBLISHED.get(target.model_type, {})))
+                                             .to_json_string())
+    except Exception:  # noqa: BLE001
+        same = False
+    result.default_config = "exact" if same else _gate_on(cls, defaults)
+    result.tester_config = _gate_on(cls, lambda: tester_config(defaults()), stock_runs_it=True)
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -266,6 +358,18 @@ def render_matrix(version: str, results: Sequence[Result]) -> str:
              "| group | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
     for group in groups:
         lines.append(f"| {group} | " + " | ".join(str(counts[(group, s)]) for s in statuses) + " |")
+    gate_kinds = ("exact", "refused", "no copy", "config")
+    gate = Counter((r.group, which, _gate_kind(getattr(r, which))) for r in results
+                   for which in ("default_config", "tester_config"))
+    lines += ["", "The gate on a user's config of each class, as for a class it has not verified (proved on a copy: "
+              "a tiny one, else the config cut in depth and width): the config class's defaults, and a "
+              "ModelTester-style config (hidden 32, 2 heads, 2 key/value heads). **no copy**: stock runs no copy "
+              "small enough to prove (packfree's own failure); **config**: stock cannot make the config.", "",
+              "| group | config | " + " | ".join(gate_kinds) + " |", "|---|---|" + "---|" * len(gate_kinds)]
+    for group in groups:
+        for which in ("default_config", "tester_config"):
+            lines.append(f"| {group} | {which.split('_')[0]} | "
+                         + " | ".join(str(gate[(group, which, kind)]) for kind in gate_kinds) + " |")
     lines += ["", "<details><summary>Every class</summary>", "", "| model type | class | group | status | detail |",
               "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
@@ -273,6 +377,11 @@ def render_matrix(version: str, results: Sequence[Result]) -> str:
         lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_STATUS_TEXT[r.status]} | {detail} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+def _gate_kind(verdict: str) -> str:
+    """The kind of a :func:`_gate_on` verdict (``exact``, ``refused``, ``no copy``, ``config``; empty if unchecked)."""
+    return verdict.split(":")[0]
 
 
 def load_results(version: str) -> list[Result]:
@@ -341,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
     write_outputs(transformers.__version__, results, Path(args.readme))
     counts = Counter((r.group, r.status) for r in results)
+    counts.update((r.group, f"{which}={_gate_kind(getattr(r, which))}") for r in results
+                  for which in ("default_config", "tester_config"))
     print(json.dumps({f"{g}/{s}": n for (g, s), n in sorted(counts.items())}, indent=1))
     return 0
 
