@@ -170,26 +170,46 @@ TESTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, inte
 
 
 def tester_config(config):
-    """``config`` (a type's defaults) as transformers' test suites size it: :data:`TESTER` on its text config (those
-    of its settings it has), as few layers as keep each layer kind; the rest derived again from them."""
-    from .shrink import _is_width, _shrink_layers, _without_derived
-
+    """``config`` (a type's defaults) as transformers' test suites size it: :data:`TESTER` on its text config (under
+    whatever names it uses: ``n_embd``, ``encoder_attention_heads``, ...), as few layers as keep each layer kind
+    twice, special ids inside the vocabulary; the widths it leaves to their defaults derived from these."""
     import dataclasses
+
+    from .shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS, _is_width,
+                         _remap_special_ids, _shrink_layers, _without_derived)
 
     values = config.to_dict()
     text_config = config.get_text_config(decoder=True)
     text_name = next((name for name, value in vars(config).items() if value is text_config), None)
     text = values[text_name] if text_name in values and isinstance(values[text_name], dict) else values
-    text.update({name: value for name, value in TESTER.items() if name in text})
+    set_here = {}
+    for name, value in text.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if name in _HIDDEN_KEYS:
+            set_here[name] = TESTER["hidden_size"]
+        elif name in _HEAD_KEYS:
+            set_here[name] = TESTER["num_attention_heads"]
+        elif name in _KV_HEAD_KEYS and value > 1:
+            set_here[name] = TESTER["num_key_value_heads"]
+        elif _FFN_NAME.search(name) and value > TESTER["intermediate_size"]:
+            set_here[name] = TESTER["intermediate_size"]
+        elif name == "vocab_size" and value > TESTER["vocab_size"]:
+            set_here[name] = TESTER["vocab_size"]
+        elif name == "head_dim":
+            set_here[name] = 16
+    text.update(set_here)
     if dataclasses.is_dataclass(text_config):  # settings left to their derived default derive from the new widths
         text.update({field.name: None for field in dataclasses.fields(text_config)
-                     if field.default is None and text.get(field.name) is not None and field.name not in TESTER
+                     if field.default is None and text.get(field.name) is not None and field.name not in set_here
                      and _is_width(field.name)})
-    if isinstance(text.get("head_dim"), int):
-        text["head_dim"] = 16
-    count = text.get("num_hidden_layers")
-    if isinstance(count, int) and count > 2:
-        text["num_hidden_layers"] = _shrink_layers(text, count, repeats=2)
+    shrunk: dict[int, int] = {}
+    for name in _LAYER_KEYS:
+        count = text.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 2:
+            shrunk.setdefault(count, _shrink_layers(text, count, repeats=2))
+            text[name] = shrunk[count]
+    _remap_special_ids(text, int(text.get("vocab_size") or TESTER["vocab_size"]))
     for name in ("model_type", "_name_or_path", "transformers_version", "architectures", "dtype"):
         values.pop(name, None)
     return type(config)(**_without_derived(values, config))
@@ -200,12 +220,13 @@ def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
     ``exact`` (admitted), ``refused: ...`` (the copy is not exact: the model's own reason), ``no copy: ...`` (no
     copy of the config runs on stock: packfree's problem), ``config: ...`` (stock cannot make the config, or with
     ``stock_runs_it``, a small one, cannot build and run it as it is)."""
-    from .admission import NoCopyError, bypassed, prove_copy
+    from .admission import NoCopyError, _check_size, bypassed, prove_copy
     from .proof import alone_outputs, build_stock, sample_tokens
 
     try:
         config = make_config()
         if stock_runs_it:
+            _check_size(cls, config)  # a config the tester widths do not reach stays large: not built for real
             with bypassed():
                 stock, _ = build_stock(cls, config)
                 alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 99)))
