@@ -112,6 +112,13 @@ def run_target(target: Target) -> Result:
     return result
 
 
+def _as_encoder(target: Target, config) -> None:
+    """A masked LM is a bidirectional encoder: its config is no decoder's, whatever the type's published LM head
+    needs (Reformer's ``is_decoder=True``, which its masked LM asserts against)."""
+    if target.group == "masked" and getattr(config, "is_decoder", False):
+        config.is_decoder = False
+
+
 def _prove_target(target: Target) -> Result:
     import transformers
 
@@ -125,6 +132,7 @@ def _prove_target(target: Target) -> Result:
         config = tiny_config_for(target.model_type)
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)  # a composite type's text model (the decoder: MusicGen)
+        _as_encoder(target, config)
         result.config_type = config.model_type
     except Exception as error:  # noqa: BLE001
         result.detail = f"tiny config: {_error(error)}"
@@ -256,6 +264,7 @@ def user_config_checks(target: Target, result: Result) -> None:
         config = AutoConfig.for_model(target.model_type, **_PUBLISHED.get(target.model_type, {}))
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
+        _as_encoder(target, config)
         return config
 
     try:  # the gate's first copy of the defaults is the tiny config the target was proved on: the same proof
