@@ -125,3 +125,16 @@ def test_a_width_that_is_a_multiple_of_the_hidden_size_stays_that_multiple() -> 
     assert tiny2.attention_hidden_size == 2 * tiny2.hidden_size
     assert tiny2.attention_head_dim * tiny2.num_attention_heads == tiny2.attention_hidden_size
     assert tiny2.hybrid_layer_ids == [i for i, kind in enumerate(tiny2.layers_block_type) if kind == "hybrid"]
+
+
+def test_the_sweep_checks_the_gate_on_a_types_defaults_and_its_tester_config() -> None:
+    """The sweep's own check: the gate, as for a class it has not verified, admits Llama's default config and a
+    ModelTester-style one (2 heads, 2 key/value heads: the copy that had 4 key/value heads ran on no stock)."""
+    from packfree_plugin.gate.sweep import Result, Target, render_gate_checks, tester_config, user_config_checks
+
+    tester = tester_config(LlamaConfig())
+    assert (tester.hidden_size, tester.num_attention_heads, tester.num_key_value_heads) == (32, 2, 2)
+    result = Result("causal", "llama", "LlamaForCausalLM", "wrong")  # not the tiny config's proof: both proved
+    user_config_checks(Target("causal", "llama", "LlamaForCausalLM"), result)
+    assert (result.default_config, result.tester_config) == ("exact", "exact")
+    assert "| causal | tester | 1 | 0 | 0 | 0 |" in render_gate_checks("5.24.0", [result])
