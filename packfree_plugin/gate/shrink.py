@@ -12,6 +12,13 @@ keep every layer kind each and still add up; a layer's override dict (``per_laye
 values; a width equal to a hidden size of the config (an adapter's input) becomes the tiny hidden size. Sub-configs
 (``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
 
+The tiny copy keeps the ratios the config's validation and the model's construction need: key/value heads at
+most the tiny query heads and dividing them, a width that is 2-4 times the hidden size (Zamba's attention input)
+that multiple of the tiny one, and settings the config class derives from others (Zamba2's attention width and
+``hybrid_layer_ids``) derived again. :func:`proof_configs` lists what the gate proves on, best first: the tiny copy,
+the tiny copy with each layer kind twice (weights tied across layers of a kind), then :func:`cut_config`: the
+user's config cut in depth and with every width divided by one power of two (:func:`cut_factors`).
+
 :func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
 :data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config (with the
 published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the default) shrunk.
