@@ -427,7 +427,8 @@ def proof_configs(config) -> list[tuple[str, Callable[[], Any]]]:
 def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
     """``values`` (a shrunk ``config.to_dict()``) less the settings ``config``'s class derives from the others
     (Zamba2's ``attention_hidden_size = 2 * hidden_size``, ...): the tiny config derives them again from the tiny
-    values, so that they keep their ratios; sub-config dicts likewise."""
+    values, so that they keep their ratios; sub-config dicts likewise. Dicts of settings (per-layer overrides)
+    are kept as shrunk."""
     import dataclasses
 
     from transformers import PreTrainedConfig
@@ -444,8 +445,8 @@ def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
         derived = type(config)(**given)
     except Exception:  # noqa: BLE001 - the class needs its other settings to build: keep them all
         return values
-    return {**given, **{name: value for name, value in values.items()
-                        if name not in fields and not _has_setting(derived, name)}}
+    return {**given, **{name: value for name, value in values.items()  # per-layer override dicts stay as shrunk
+                        if name not in fields and (isinstance(value, dict) or not _has_setting(derived, name))}}
 
 
 def _has_setting(config, name: str) -> bool:
