@@ -7,9 +7,10 @@
   boolean and string settings, e.g. Falcon's ``alibi`` or BERT's ``position_embedding_type``) are those the
   sweep proved;
 - any other architecture (a newer transformers, ``trust_remote_code``, a type the sweep found wrong) gets
-  the isolation proof (:func:`.proof.prove`) on a tiny random copy of its own config class, every distinct
-  layer kind kept (:func:`.shrink.shrink_config`); if the copy is not exact, or cannot be built, the load
-  fails with a ``ValueError`` naming the model type and the modules that went wrong.
+  the isolation proof (:func:`.proof.prove`) on a small random copy of its own config class, every distinct
+  layer kind kept (:func:`.shrink.proof_configs`: a tiny copy, else the user's config cut in depth and width as
+  far as stock builds and runs it); if the copy is not exact, the load fails with a ``ValueError`` naming the
+  model type and the modules that went wrong.
 
 Opt-out: ``PACKFREE_TRUST_UNVERIFIED=1`` in the environment (or ``admit(model, trust_unverified=True)``)
 skips the proof and logs a warning. A model built inside another model's constructor (a backbone inside its
@@ -30,8 +31,8 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified", "prove_tiny_copy", "switches",
-           "verified_classes"]
+__all__ = ["COPY_PARAMETERS", "NoCopyError", "TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified",
+           "prove_copy", "prove_tiny_copy", "switches", "verified_classes"]
 
 TRUST_ENV = "PACKFREE_TRUST_UNVERIFIED"
 VERIFIED_FILE = Path(__file__).with_name("verified.json")
@@ -114,35 +115,86 @@ def _inside_another_model(model: nn.Module) -> bool:
     return False
 
 
-def prove_tiny_copy(model: nn.Module):
-    """The isolation proof on a tiny random copy of ``model``'s class and config (:class:`.proof.Proof`).
+COPY_PARAMETERS = 20_000_000
+"""Largest copy (parameters) the proof builds: a copy cut in depth only keeps the user's widths."""
 
-    Raises whatever building the copy or running it on stock raises (then nothing can be proved)."""
+
+class NoCopyError(RuntimeError):
+    """No copy of a model's config could be built and run on stock transformers, so nothing could be proved."""
+
+
+def prove_tiny_copy(model: nn.Module):
+    """The isolation proof on a small random copy of ``model``'s class and config: :func:`prove_copy`."""
+    return prove_copy(type(model), model.config)
+
+
+def prove_copy(cls: type, config):
+    """The isolation proof on a small random copy of class ``cls`` and ``config`` (:class:`.proof.Proof`).
+
+    The copies of :func:`.shrink.proof_configs` are tried in turn, until one builds and runs on stock
+    transformers (sdpa, else eager) with the proof's samples: a tiny copy, the tiny copy with each layer kind
+    twice, the user's config cut in depth and width. What packfree does on the first such copy is the verdict
+    (a refusal at load propagates). Raises :class:`NoCopyError` if no copy runs on stock."""
     import torch
 
-    from .proof import build_pair, prove
-    from .shrink import shrink_config
+    from .proof import LENGTHS, alone_outputs, build_pair, build_stock, prove, sample_tokens
+    from .shrink import proof_configs
 
+    failures = []
     # from_pretrained may call this under its meta-device context (transformers 5.20 does): the copy and the
     # proof's inputs need real data
     with bypassed(), torch.device("cpu"):
-        packed, stock, implementation = build_pair(type(model), shrink_config(model.config))
-        return prove(packed, stock, stock_name=implementation)
+        for description, make_config in proof_configs(config):
+            try:
+                copy_config = make_config()
+                if description.startswith("a copy cut"):  # the tiny copies are small by construction
+                    _check_size(cls, copy_config)
+                stock, _ = build_stock(cls, copy_config)
+                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config)))
+            except Exception as error:  # noqa: BLE001 - stock cannot run this copy: try the next one
+                failures.append(f"{description}: {type(error).__name__}: {str(error)[:200]}")
+                continue
+            packed, stock, implementation = build_pair(cls, copy_config)
+            proof = prove(packed, stock, stock_name=implementation)
+            proof.copy = description
+            return proof
+    raise NoCopyError("; ".join(failures))
+
+
+def _vocab(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(config, "vocab_size", None) or getattr(text_config, "vocab_size", None) or 128)
+
+
+def _check_size(cls: type, config) -> None:
+    """Raise ``ValueError`` if ``cls`` built from ``config`` has more than :data:`COPY_PARAMETERS` parameters."""
+    import copy
+
+    import torch
+
+    with torch.device("meta"):
+        copy_on_meta = cls._from_config(copy.deepcopy(config), attn_implementation="eager")
+    count = sum(p.numel() for p in copy_on_meta.parameters())
+    if count > COPY_PARAMETERS:
+        raise ValueError(f"{count:,} parameters, over the proof's {COPY_PARAMETERS:,}")
 
 
 def _refusal(model: nn.Module) -> str | None:
-    """None when the tiny copy is exact, else why the model is refused."""
+    """None when the copy is exact, else why the model is refused."""
     model_type = getattr(model.config, "model_type", "?")
     name = type(model).__name__
     opt_out = f"set {TRUST_ENV}=1 to load it anyway, at your own risk"
     try:
         proof = prove_tiny_copy(model)
-    except Exception as error:  # noqa: BLE001 - no proof, no admission
-        return (f"packfree could not prove {name} (model type {model_type!r}) exact on packed rows: a tiny copy "
-                f"could not be built or run ({type(error).__name__}: {error}); {opt_out}")
+    except NoCopyError as error:  # no copy runs on stock: nothing can be proved
+        return (f"packfree could not prove {name} (model type {model_type!r}) exact on packed rows: stock "
+                f"transformers runs no small copy of its config ({error}); {opt_out}")
+    except Exception as error:  # noqa: BLE001 - packfree refused the copy at load (layers it cannot run exactly)
+        return (f"packfree refuses {name} (model type {model_type!r}): {type(error).__name__}: {error}. "
+                f"Load it without attn_implementation='packfree', or {opt_out}")
     if proof.exact:
         return None
-    return (f"packfree refuses {name} (model type {model_type!r}): on a tiny copy, {proof.summary()}. "
+    return (f"packfree refuses {name} (model type {model_type!r}): on {proof.copy}, {proof.summary()}. "
             f"Load it without attn_implementation='packfree', or {opt_out}")
 
 

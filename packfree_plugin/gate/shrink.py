@@ -12,6 +12,13 @@ keep every layer kind each and still add up; a layer's override dict (``per_laye
 values; a width equal to a hidden size of the config (an adapter's input) becomes the tiny hidden size. Sub-configs
 (``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
 
+The tiny copy keeps the ratios the config's validation and the model's construction need: key/value heads at
+most the tiny query heads and dividing them, a width that is 2-4 times the hidden size (Zamba's attention input)
+that multiple of the tiny one, and settings the config class derives from others (Zamba2's attention width and
+``hybrid_layer_ids``) derived again. :func:`proof_configs` lists what the gate proves on, best first: the tiny copy,
+the tiny copy with each layer kind twice (weights tied across layers of a kind), then :func:`cut_config`: the
+user's config cut in depth and with every width divided by one power of two (:func:`cut_factors`).
+
 :func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
 :data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config (with the
 published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the default) shrunk.
@@ -20,9 +27,11 @@ published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TINY_VOCAB", "WINDOW", "shrink_config", "tiny_config_for"]
+__all__ = ["TINY_VOCAB", "WINDOW", "cut_config", "cut_factors", "proof_configs", "shrink_config", "tiny_config_for"]
 
 TINY_VOCAB = 128
 """Vocabulary of a shrunk config; ids 0-2 are pad/bos/eos, the top 16 ids are kept for other special tokens."""
@@ -65,6 +74,8 @@ _PUBLISHED: dict[str, dict[str, Any]] = {
     "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
     "emu3": dict(vocabulary_map={"<image>": 120, "<|extra_200|>": 121, "<|visual token 000000|>": 122,
                                  "<|visual token 000001|>": 123}),  # BPE ids of VQ codes, in the tiny top ids
+    "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
+                token_dropout=True, emb_layer_norm_before=False),  # facebook/esm2_t6_8M_UR50D; no vocabulary by default
     "reformer": dict(is_decoder=True),  # its causal-LM head asserts it (google/reformer-crime-and-punishment)
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
@@ -87,9 +98,10 @@ _KEEP_DIMS = re.compile(r"(vocab|position|max_|window|chunk|block|patch|image|ke
                         r"seq_len|length|context|num_)")
 
 
-def _shrink_layers(values: dict[str, Any], count: int) -> int:
-    """Keep as few of ``count`` layers as cover every per-layer setting; rewrite each per-layer list, layer-index
-    list and layer-keyed dict of ``values`` accordingly; return how many layers are kept."""
+def _shrink_layers(values: dict[str, Any], count: int, repeats: int = 1) -> int:
+    """Keep as few of ``count`` layers as cover every per-layer setting ``repeats`` times (where the config has
+    it that often); rewrite each per-layer list, layer-index list and layer-keyed dict of ``values`` accordingly;
+    return how many layers are kept."""
     index_lists = {name: value for name, value in values.items()
                    if "layer" in name and isinstance(value, (list, tuple)) and value
                    and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)
@@ -108,7 +120,7 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
     if len(sections) < 2 or sum(sections.values()) != count:
         sections = {}
     section_of = [name for name, size in sections.items() for _ in range(size)]
-    seen: set[tuple[str, str]] = set()
+    seen: Counter[tuple[str, str]] = Counter()
     kept: list[int] = []
     for layer in range(count):
         features = {(name, repr(value[layer]) + ("/shared" if layer >= first_shared else ""))
@@ -118,11 +130,11 @@ def _shrink_layers(values: dict[str, Any], count: int) -> int:
                      for name, value in keyed.items()}
         if sections:  # every layer kind in every section
             features = {(f"{name}@{section_of[layer]}", value) for name, value in features | {("section", "")}}
-        if not features <= seen or not kept:
+        if any(seen[feature] < repeats for feature in features) or not kept:
             kept.append(layer)
-            seen |= features
+            seen.update(features)
     extra = [layer for layer in range(count) if layer not in kept]
-    kept = sorted(kept + extra[:max(0, min(2, count) - len(kept))])[:_MAX_LAYERS]
+    kept = sorted(kept + extra[:max(0, min(2, count) - len(kept))])[:_MAX_LAYERS * repeats]
     for name, value in per_layer.items():
         values[name] = type(value)(value[i] for i in kept)
     if first_shared < count:
@@ -148,18 +160,18 @@ def _hidden_sizes(values: dict[str, Any]) -> set[int]:
     return sizes.union(*(_hidden_sizes(v) for v in values.values() if _is_sub_config(v)))
 
 
-def _shrink_values(values: dict[str, Any], hidden_sizes: set[int]) -> None:
+def _shrink_values(values: dict[str, Any], hidden_sizes: set[int], repeats: int = 1) -> None:
     """Shrink one config's ``to_dict()`` in place (sub-config dicts recursively); ``hidden_sizes``: those of the
     whole config, before shrinking (a width equal to one, such as an adapter's input, becomes the tiny hidden)."""
     for value in values.values():
         if _is_sub_config(value):
-            _shrink_values(value, hidden_sizes)
+            _shrink_values(value, hidden_sizes, repeats)
     shrunk: dict[int, int] = {}  # layer count -> kept count (encoder and decoder stacks may share a count)
     for name in _LAYER_KEYS:
         count = values.get(name)
         if isinstance(count, int) and not isinstance(count, bool) and count > 0:
             if count not in shrunk:
-                shrunk[count] = _shrink_layers(values, count)
+                shrunk[count] = _shrink_layers(values, count, repeats)
             values[name] = shrunk[count]
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), None)
     for name in _HEAD_DIM_KEYS[:1] + ("num_key_value_heads",):  # a None default some models cannot build from
@@ -194,6 +206,7 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
     tiny one, so it still differs from the global one); ``heads``: the config's attention heads (None without
     attention), unless ``values`` sets its own."""
     heads = next((values[k] for k in _HEAD_KEYS if isinstance(values.get(k), int)), heads)
+    hidden = next((values[k] for k in _HIDDEN_KEYS if isinstance(values.get(k), int)), None)
     rope = values.get("qk_rope_head_dim")
     if latent:
         values.update({k: v for k, v in _MLA.items() if isinstance(values.get(k), int) and values[k] > v})
@@ -213,7 +226,7 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
         elif name in _HEAD_KEYS and value > _HEADS:
             values[name] = _HEADS
         elif name in _KV_HEAD_KEYS and value > 1:
-            values[name] = _HEADS if heads is not None and value >= heads else 2
+            values[name] = _kv_heads(value, heads)
         elif name in _HEAD_DIM_KEYS and value > _HEAD_DIM * (2 if latent else 1):
             values[name] = _HEAD_DIM * (2 if latent else 1)  # a layer's own head dim stays its own
         elif name == "num_codebooks" and value > 1:  # one token stream, as a text-only row (MusicGen)
@@ -246,8 +259,20 @@ def _shrink_scalars(values: dict[str, Any], heads: int | None, hidden_sizes: set
             values[name] = _FFN
         elif value in hidden_sizes and _WIDTH.search(name) and not _KEEP_DIMS.search(name):
             values[name] = _HIDDEN
+        elif (isinstance(hidden, int) and hidden > _HIDDEN and value % hidden == 0 and 1 < value // hidden <= 4
+              and _WIDTH.search(name) and not _KEEP_DIMS.search(name)):
+            values[name] = value // hidden * _HIDDEN  # a multiple of the hidden size (Zamba's attention input)
         elif _LARGE_DIM.search(name) and not _KEEP_DIMS.search(name) and value > _HIDDEN:
             values[name] = _HEAD_DIM * 2
+
+
+def _kv_heads(kv_heads: int, heads: int | None) -> int:
+    """The tiny key/value head count for ``kv_heads`` of ``heads`` query heads (None: not known): never more than the
+    tiny query heads and dividing them; as many as they are when the config has one key/value head per query head."""
+    tiny_heads = min(heads, _HEADS) if heads is not None else _HEADS
+    if heads is not None and kv_heads >= heads:
+        return tiny_heads
+    return max((d for d in range(1, tiny_heads) if tiny_heads % d == 0 and d <= kv_heads), default=1)
 
 
 def _split(total: int, parts: list[int]) -> list[int]:
@@ -305,8 +330,8 @@ def _remap_special_ids(values: dict[str, Any], vocab: int) -> None:
             values[name] = [new_id(name, v) if v >= vocab else v for v in value]
 
 
-def shrink_config(config):
-    """A fresh tiny config of ``config``'s class that keeps each of its distinct layer kinds (see the module doc)."""
+def _serialized(config) -> dict[str, Any]:
+    """``config.to_dict()`` without what a copy must not carry (name, checkpoint format, quantization)."""
     values = config.to_dict()
     if any(isinstance(values.get(name), int) and values[name] != getattr(config, name) for name in _LAYER_KEYS):
         # a serialized form with more layers than the model builds (Dory interleaves "mlp" blocks): shrink the
@@ -317,9 +342,121 @@ def shrink_config(config):
     for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
                  "quantization_config"):
         values.pop(name, None)
-    _shrink_values(values, _hidden_sizes(values))
+    return values
+
+
+def shrink_config(config, *, repeats: int = 1):
+    """A fresh tiny config of ``config``'s class that keeps each of its distinct layer kinds (see the module doc),
+    each ``repeats`` times where the config has it that often (layers that share weights across positions need
+    a second one: Zamba ties every shared block to the first)."""
+    values = _serialized(config)
+    _shrink_values(values, _hidden_sizes(values), repeats)
     values.pop("model_type", None)
-    return type(config)(**values)
+    return type(config)(**_without_derived(values, config))
+
+
+def _is_width(name: str) -> bool:
+    """Whether a config setting named ``name`` is a width (hidden, head, feed-forward, projection rank)."""
+    return (name in _HIDDEN_KEYS or name in _HEAD_DIM_KEYS or bool(_FFN_NAME.search(name))
+            or ((bool(_LARGE_DIM.search(name)) or bool(_WIDTH.search(name))) and not _KEEP_DIMS.search(name)))
+
+
+def _widths(values: dict[str, Any]) -> list[int]:
+    """Every width of a config dict and of its sub-configs."""
+    own = [v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0 and _is_width(k)]
+    return own + [w for v in values.values() if _is_sub_config(v) for w in _widths(v)]
+
+
+def _cut_values(values: dict[str, Any], factor: int) -> None:
+    """Cut one config dict in place: every width divided by ``factor`` (ratios between widths, head counts and
+    per-layer lists kept), each layer kind kept twice, a tiny vocabulary, windows and chunks of :data:`WINDOW`."""
+    for value in values.values():
+        if _is_sub_config(value):
+            _cut_values(value, factor)
+    shrunk: dict[int, int] = {}
+    for name in _LAYER_KEYS:
+        count = values.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            if count not in shrunk:
+                shrunk[count] = _shrink_layers(values, count, repeats=2)
+            values[name] = shrunk[count]
+    for name, value in list(values.items()):
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if _is_width(name) and value % factor == 0:
+            values[name] = value // factor
+        elif (name in _WINDOW_KEYS or name in _CHUNK_KEYS or name in _TOPK_KEYS) and value > WINDOW:
+            values[name] = WINDOW
+        elif name == "vocab_size" and value > TINY_VOCAB:
+            values[name] = TINY_VOCAB
+    _fit_mrope_sections(values)
+    if "vocab_size" in values:
+        _remap_special_ids(values, min(int(values["vocab_size"] or TINY_VOCAB), TINY_VOCAB))
+
+
+def cut_factors(config) -> list[int]:
+    """The width factors of :func:`cut_config` for ``config``, largest first: the powers of two from the largest
+    that divides every width (the hidden size staying at least 64) down to 1 (widths as they are)."""
+    values = _serialized(config)
+    widths = _widths(values)
+    hidden = next((values[k] for k in _HIDDEN_KEYS if isinstance(values.get(k), int)), None)
+    factor = 1
+    while widths and all(w % (factor * 2) == 0 for w in widths) and (hidden or 0) // (factor * 2) >= _HIDDEN:
+        factor *= 2
+    return [factor >> shift for shift in range(factor.bit_length())]
+
+
+def cut_config(config, factor: int):
+    """A copy of ``config`` cut in depth (each layer kind twice) and in width (every width divided by ``factor``):
+    for configs whose tiny copy (:func:`shrink_config`) cannot be built."""
+    values = _serialized(config)
+    _cut_values(values, factor)
+    values.pop("model_type", None)
+    return type(config)(**_without_derived(values, config))
+
+
+def proof_configs(config) -> list[tuple[str, Callable[[], Any]]]:
+    """``(description, make_config)`` of the configs to prove ``config``'s model on, best first: its tiny copy,
+    the tiny copy with each layer kind twice, then :func:`cut_config` at each of :func:`cut_factors`."""
+    return [("a tiny copy", lambda: shrink_config(config)),
+            ("a tiny copy with each layer kind twice", lambda: shrink_config(config, repeats=2)),
+            *[(f"a copy cut in depth and in width by {factor}", lambda factor=factor: cut_config(config, factor))
+              for factor in cut_factors(config)]]
+
+
+def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
+    """``values`` (a shrunk ``config.to_dict()``) less the settings ``config``'s class derives from the others
+    (Zamba2's ``attention_hidden_size = 2 * hidden_size``, ...): the tiny config derives them again from the tiny
+    values, so that they keep their ratios; sub-config dicts likewise. Dicts of settings (per-layer overrides)
+    are kept as shrunk."""
+    import dataclasses
+
+    from transformers import PreTrainedConfig
+
+    for name, value in values.items():
+        sub = getattr(config, name, None) if isinstance(value, dict) and _has_setting(config, name) else None
+        if isinstance(sub, PreTrainedConfig):
+            values[name] = _without_derived(value, sub)
+    if not dataclasses.is_dataclass(config):
+        return values
+    fields = {field.name for field in dataclasses.fields(config)}
+    given = {name: value for name, value in values.items() if name in fields}
+    try:
+        derived = type(config)(**given)
+    except Exception:  # noqa: BLE001 - the class needs its other settings to build: keep them all
+        return values
+    return {**given, **{name: value for name, value in values.items()  # per-layer override dicts stay as shrunk
+                        if name not in fields and (isinstance(value, dict) or not _has_setting(derived, name))}}
+
+
+def _has_setting(config, name: str) -> bool:
+    """Whether ``config`` has a setting ``name`` (one that raises when read, as a per-layer one read globally, counts
+    as absent)."""
+    try:
+        getattr(config, name)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def tiny_config_for(model_type: str):

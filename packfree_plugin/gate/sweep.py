@@ -31,12 +31,15 @@ from pathlib import Path
 
 from .admission import VERIFIED_FILE
 
-__all__ = ["HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_matrix", "run_target", "targets"]
+__all__ = ["GATE_CHECKS_FILE", "HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_gate_checks", "render_matrix",
+           "run_target", "targets"]
 
 MATRIX_FILE = Path(__file__).with_name("support_matrix.md")
 SUPPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md"
 """The source checkout's support-matrix page (absent from an installed wheel: then only MATRIX_FILE is written)."""
 MATRIX_MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
+GATE_CHECKS_FILE = Path(__file__).with_name("gate_checks.md")
+"""What the gate does on each class's default and ModelTester-style configs (:func:`render_gate_checks`)."""
 HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
                  "olmo2", "mixtral", "bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra",
                  "modernbert", "albert", "mpnet", "camembert")
@@ -61,6 +64,8 @@ class Result:
     gate_refuses: bool | None = None  # for non-exact targets: whether admit() refuses the model at load
     config_type: str = ""  # model_type of the config the class was built from (a composite type's text config)
     switches: dict | None = None  # for exact targets: the config switches proved (admission.switches)
+    default_config: str = ""  # the gate on the config class's defaults: see user_config_checks
+    tester_config: str = ""  # the gate on a ModelTester-style config (2 heads, 2 kv heads, hidden 32)
 
 
 def _names(value: str | Sequence[str]) -> list[str]:
@@ -104,8 +109,23 @@ def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
 
 
-def run_target(target: Target) -> Result:
-    """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate."""
+def run_target(target: Target, *, user_configs: bool = True) -> Result:
+    """Build ``target`` tiny, prove it (gate bypassed), classify it; for a non-exact one, ask the gate; then (with
+    ``user_configs``) the gate on a user's configs (:func:`user_config_checks`)."""
+    result = _prove_target(target)
+    if user_configs:
+        user_config_checks(target, result)
+    return result
+
+
+def _as_encoder(target: Target, config) -> None:
+    """A masked LM is a bidirectional encoder: its config is no decoder's, whatever the type's published LM head
+    needs (Reformer's ``is_decoder=True``, which its masked LM asserts against)."""
+    if target.group == "masked" and getattr(config, "is_decoder", False):
+        config.is_decoder = False
+
+
+def _prove_target(target: Target) -> Result:
     import transformers
 
     from .admission import bypassed, prove_tiny_copy, switches
@@ -118,6 +138,7 @@ def run_target(target: Target) -> Result:
         config = tiny_config_for(target.model_type)
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)  # a composite type's text model (the decoder: MusicGen)
+        _as_encoder(target, config)
         result.config_type = config.model_type
     except Exception as error:  # noqa: BLE001
         result.detail = f"tiny config: {_error(error)}"
@@ -156,6 +177,111 @@ def run_target(target: Target) -> Result:
         except Exception:  # noqa: BLE001 - the gate refuses what it cannot prove
             result.gate_refuses = True
     return result
+
+
+TESTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=37, vocab_size=99)
+"""The widths of transformers' own ModelTester configs (its test suites' tiny models)."""
+
+
+def tester_config(config):
+    """``config`` (a type's defaults) as transformers' test suites size it: :data:`TESTER` on its text config (under
+    whatever names it uses: ``n_embd``, ``encoder_attention_heads``, ...), as few layers as keep each layer kind
+    twice, special ids inside the vocabulary; the widths it leaves to their defaults derived from these."""
+    import dataclasses
+
+    from .shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS, _is_width,
+                         _remap_special_ids, _shrink_layers, _without_derived)
+
+    values = config.to_dict()
+    text_config = config.get_text_config(decoder=True)
+    text_name = next((name for name, value in vars(config).items() if value is text_config), None)
+    text = values[text_name] if text_name in values and isinstance(values[text_name], dict) else values
+    set_here = {}
+    for name, value in text.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if name in _HIDDEN_KEYS:
+            set_here[name] = TESTER["hidden_size"]
+        elif name in _HEAD_KEYS:
+            set_here[name] = TESTER["num_attention_heads"]
+        elif name in _KV_HEAD_KEYS and value > 1:
+            set_here[name] = TESTER["num_key_value_heads"]
+        elif _FFN_NAME.search(name) and value > TESTER["intermediate_size"]:
+            set_here[name] = TESTER["intermediate_size"]
+        elif name == "vocab_size" and value > TESTER["vocab_size"]:
+            set_here[name] = TESTER["vocab_size"]
+        elif name == "head_dim":
+            set_here[name] = 16
+    text.update(set_here)
+    if dataclasses.is_dataclass(text_config):  # settings left to their derived default derive from the new widths
+        text.update({field.name: None for field in dataclasses.fields(text_config)
+                     if field.default is None and text.get(field.name) is not None and field.name not in set_here
+                     and _is_width(field.name)})
+    shrunk: dict[int, int] = {}
+    for name in _LAYER_KEYS:
+        count = text.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 2:
+            shrunk.setdefault(count, _shrink_layers(text, count, repeats=2))
+            text[name] = shrunk[count]
+    _remap_special_ids(text, int(text.get("vocab_size") or TESTER["vocab_size"]))
+    for name in ("model_type", "_name_or_path", "transformers_version", "architectures", "dtype"):
+        values.pop(name, None)
+    return type(config)(**_without_derived(values, config))
+
+
+def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
+    """What the gate does at load for a class it has not verified, on the config ``make_config()`` returns:
+    ``exact`` (admitted), ``refused: ...`` (the copy is not exact: the model's own reason), ``no copy: ...`` (no
+    copy of the config runs on stock: packfree's problem), ``config: ...`` (stock cannot make the config, or with
+    ``stock_runs_it``, a small one, cannot build and run it as it is)."""
+    from .admission import NoCopyError, _check_size, bypassed, prove_copy
+    from .proof import alone_outputs, build_stock, sample_tokens
+
+    try:
+        config = make_config()
+        if stock_runs_it:
+            _check_size(cls, config)  # a config the tester widths do not reach stays large: not built for real
+            with bypassed():
+                stock, _ = build_stock(cls, config)
+                alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 99)))
+    except Exception as error:  # noqa: BLE001
+        return f"config: {_error(error)}"[:300]
+    try:
+        proof = prove_copy(cls, config)
+    except NoCopyError as error:
+        return f"no copy: {error}"[:300]
+    except Exception as error:  # noqa: BLE001 - refused at load
+        return f"refused: {_error(error)}"[:300]
+    return "exact" if proof.exact else f"refused: {proof.verdict()}"[:300]
+
+
+def user_config_checks(target: Target, result: Result) -> None:
+    """Set ``result.default_config`` / ``tester_config``: the gate (:func:`_gate_on`) on the config class's
+    defaults (with :data:`.shrink._PUBLISHED`'s values) and on :func:`tester_config` of them, both as the
+    target's class gets them (a composite type's text config for a text model)."""
+    import transformers
+    from transformers import AutoConfig
+
+    from .shrink import _PUBLISHED, shrink_config, tiny_config_for
+
+    cls = getattr(transformers, target.cls)
+
+    def defaults():
+        config = AutoConfig.for_model(target.model_type, **_PUBLISHED.get(target.model_type, {}))
+        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        _as_encoder(target, config)
+        return config
+
+    try:  # the gate's first copy of the defaults is the tiny config the target was proved on: the same proof
+        same = result.status == "exact" and (tiny_config_for(target.model_type).to_json_string()
+                                             == shrink_config(AutoConfig.for_model(
+                                                 target.model_type, **_PUBLISHED.get(target.model_type, {})))
+                                             .to_json_string())
+    except Exception:  # noqa: BLE001
+        same = False
+    result.default_config = "exact" if same else _gate_on(cls, defaults)
+    result.tester_config = _gate_on(cls, lambda: tester_config(defaults()), stock_runs_it=True)
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -277,6 +403,36 @@ def render_matrix(version: str, results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+def render_gate_checks(version: str, results: Sequence[Result]) -> str:
+    """The gate on a user's configs (Markdown): per group, what :func:`user_config_checks` found."""
+    groups = ("causal", "masked", "backbone", "token", "sequence")
+    kinds = ("exact", "refused", "no copy", "config")
+    gate = Counter((r.group, which, _gate_kind(getattr(r, which))) for r in results
+                   for which in ("default_config", "tester_config"))
+    lines = [f"Generated by `python -m packfree_plugin.gate.sweep` for transformers {version}: the gate on a user's "
+             "config of each class, as for a class it has not verified (proved on a copy: a tiny one, else the "
+             "config cut in depth and width): the config class's defaults, and a ModelTester-style config (hidden "
+             "32, 2 heads, 2 key/value heads). **no copy**: stock runs no copy small enough to prove; **config**: "
+             "stock cannot make the config or run it as it is.", "",
+             "| group | config | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for group in groups:
+        for which in ("default_config", "tester_config"):
+            lines.append(f"| {group} | {which.split('_')[0]} | "
+                         + " | ".join(str(gate[(group, which, kind)]) for kind in kinds) + " |")
+    lines += ["", "| model type | class | group | defaults | tester config |", "|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
+        if _gate_kind(r.default_config) in ("", "exact") and _gate_kind(r.tester_config) in ("", "exact"):
+            continue
+        cells = [v.replace("|", "\\|").replace("\n", " ")[:120] for v in (r.default_config, r.tester_config)]
+        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines + [""])
+
+
+def _gate_kind(verdict: str) -> str:
+    """The kind of a :func:`_gate_on` verdict (``exact``, ``refused``, ``no copy``, ``config``; empty if unchecked)."""
+    return verdict.split(":")[0]
+
+
 def load_results(version: str) -> list[Result]:
     """The results recorded in :data:`VERIFIED_FILE` for transformers ``version`` (empty if none)."""
     if not VERIFIED_FILE.exists():
@@ -310,6 +466,7 @@ def write_outputs(version: str, results: Sequence[Result], doc: Path | None) -> 
         return
     matrix = render_matrix(version, ordered)
     MATRIX_FILE.write_text(matrix)
+    GATE_CHECKS_FILE.write_text(render_gate_checks(version, ordered))
     if doc is not None and doc.exists():
         text = doc.read_text()
         start, end = MATRIX_MARKERS
@@ -343,6 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
     write_outputs(transformers.__version__, results, Path(args.doc))
     counts = Counter((r.group, r.status) for r in results)
+    counts.update((r.group, f"{which}={_gate_kind(getattr(r, which))}") for r in results
+                  for which in ("default_config", "tester_config"))
     print(json.dumps({f"{g}/{s}": n for (g, s), n in sorted(counts.items())}, indent=1))
     return 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 import packfree_plugin
@@ -111,13 +111,43 @@ def test_apply_on_a_model_loaded_with_sdpa_goes_through_the_gate(roberta_without
         packfree_plugin.apply(stock)
 
 
-def test_a_config_that_cannot_be_shrunk_and_built_is_refused(monkeypatch) -> None:
-    from packfree_plugin.gate import shrink
+class WideOnlyLlama(LlamaForCausalLM):
+    """A remote-code class that builds only at its own width or a power-of-two cut of it (384 / 4 = 96): no tiny
+    copy (hidden 64) can be built, a copy cut in depth and width can."""
 
-    def broken(config):
-        raise RuntimeError("no tiny copy")
+    def __init__(self, config) -> None:
+        if config.hidden_size % 3:
+            raise ValueError(f"hidden_size must be a multiple of 3, not {config.hidden_size}")
+        super().__init__(config)
+
+
+def test_a_config_without_a_tiny_copy_is_proved_on_a_cut_copy_of_its_own(proofs) -> None:
+    """The gate proves on the user's config cut in depth and width when no tiny copy builds: the exact class
+    loads, and a leaking one is refused naming its layer, never because a copy could not be built."""
+    from packfree_plugin.gate.admission import prove_tiny_copy
+
+    config = LlamaConfig(hidden_size=384, intermediate_size=768, num_hidden_layers=3, num_attention_heads=6,
+                         num_key_value_heads=2, vocab_size=1000)
+    model = WideOnlyLlama._from_config(config, attn_implementation="packfree")
+    assert proofs == ["WideOnlyLlama"]
+    proof = prove_tiny_copy(model)
+    assert proof.exact and proof.copy == "a copy cut in depth and in width by 4", proof.copy
+
+    class LeakyWideOnlyLlama(WideOnlyLlama, LeakyRemoteLlama):
+        pass
+
+    with pytest.raises(ValueError, match="packfree refuses LeakyWideOnlyLlama") as refused:
+        LeakyWideOnlyLlama._from_config(config, attn_implementation="packfree")
+    assert "mlp" in str(refused.value) and "cut in depth" in str(refused.value)
+
+
+def test_a_config_stock_runs_no_copy_of_is_refused_saying_so(monkeypatch) -> None:
+    from packfree_plugin.gate import proof
+
+    def broken(cls, config):
+        raise RuntimeError("stock cannot build it")
 
     config = tiny_config_for("llama")
-    monkeypatch.setattr(shrink, "shrink_config", broken)
-    with pytest.raises(ValueError, match="could not be built or run .*no tiny copy"):
+    monkeypatch.setattr(proof, "build_stock", broken)
+    with pytest.raises(ValueError, match="runs no small copy of its config .*stock cannot build it"):
         RemoteLlama._from_config(config, attn_implementation="packfree")

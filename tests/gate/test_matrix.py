@@ -78,7 +78,7 @@ def test_the_matrix_file_and_the_docs_page_section_are_generated_from_the_result
 @pytest.mark.parametrize("recorded", _sample([r for r in load_results(VERSION) if r.status == "exact"],
                                              SAMPLE_EXACT), ids=lambda r: r.cls)
 def test_a_sampled_exact_class_is_still_exact(recorded) -> None:
-    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls))
+    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls), user_configs=False)
     assert result.status == "exact", f"{recorded.cls}: {result.status} {result.detail}; {REGENERATE}"
 
 
@@ -88,7 +88,7 @@ def test_a_sampled_exact_class_is_still_exact(recorded) -> None:
 def test_a_sampled_non_exact_class_is_still_refused_by_the_gate(recorded) -> None:
     """Re-run under stock packfree: still not exact, with the recorded verdict (else the verified list is stale),
     and the gate refuses it."""
-    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls))
+    result = run_target(Target(recorded.group, recorded.model_type, recorded.cls), user_configs=False)
     assert result.status == recorded.status, f"{recorded.cls}: now {result.status}; {REGENERATE}"
     assert result.gate_refuses
 
