@@ -116,7 +116,7 @@ def _refuse_unsupported(model: nn.Module) -> None:
         if adapter is not None and adapter.native is not native_forward:
             raise ValueError(
                 f"{path} ({kind}): packfree runs only routed mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short "
-                f"convs) sequence-parallel, head by head; its {adapter.name} adapter would read the shard as the row. "
+                f"convs) sequence-parallel, head by head; its {adapter.family} adapter would read the shard as the row. "
                 "Use data parallelism (DDP/FSDP, one packed row per rank) for this model"
             )
         if kind in POSITION_ADAPTERS:
