@@ -190,9 +190,9 @@ def sequence_parallel_support(target: str) -> str:
 
     register()
     config = load_config(target)
-    with torch.device("meta"):
-        model = auto_class(config).from_config(config, attn_implementation="packfree")
     try:
+        with torch.device("meta"):
+            model = auto_class(config).from_config(config, attn_implementation="packfree")
         _refuse_unsupported(model)
         refuse_latent_attention(model)
     except ValueError as error:
