@@ -66,7 +66,7 @@ class Boundaries:
     """
 
     __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "lengths", "max_seqlen", "is_packed",
-                 "has_padding", "host_offsets", "host_padding", "_rows", "_device_forms")
+                 "has_padding", "host_offsets", "host_padding", "_rows", "_device_forms", "sequence_shard")
 
     def __init__(
         self,
@@ -127,6 +127,7 @@ class Boundaries:
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
         self._device_forms: dict[Hashable, Any] = {}
+        self.sequence_shard: Any = None  # the parallel.shard.SequenceShard these describe a shard of, if any
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 

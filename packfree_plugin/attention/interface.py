@@ -208,14 +208,16 @@ def packfree_attention_forward(
         return _packed_seq2seq_attention(module, query, key, value, attention_mask, options, position_bias,
                                          training=training), None
     if isinstance(attention_mask, Boundaries):
-        attention_mask = whole_row_for_attention(attention_mask, query.shape[2])
+        if attention_mask.sequence_shard is not None:  # a sequence-parallel shard's: the gathered row's
+            attention_mask = whole_row_for_attention(attention_mask, query.shape[2])
         return run_packed_attention(query, key, value, attention_mask, options, training=training), None
     if attention_mask is None:
         # a model that made no mask (none of its layers needs one), or Ulysses, which drops it and gathers the row
         boundaries = kwargs.get("packfree_boundaries")
         if boundaries is None and _wrapped_by_sequence_parallel():  # a layer that forwards no kwargs (BERT)
-            boundaries = current()
-        boundaries = whole_row_for_attention(boundaries, query.shape[2])
+            boundaries = boundaries_here()
+        if boundaries is not None and boundaries.sequence_shard is not None:
+            boundaries = whole_row_for_attention(boundaries, query.shape[2])
         if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay

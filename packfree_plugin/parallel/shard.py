@@ -27,7 +27,6 @@ from ..boundaries import Boundaries
 
 __all__ = ["SequenceShard", "prepare_sequence_parallel", "whole_row_for_attention"]
 
-_FORM = "packfree.sequence_shard"
 _HOOK_ATTR = "_packfree_sequence_parallel"
 
 
@@ -42,12 +41,13 @@ class SequenceShard:
     world_size: int
 
     def attach(self, local: Boundaries) -> None:
-        local.memo(_FORM, lambda: self)
+        local.sequence_shard = self
 
     @staticmethod
     def of(boundaries: Boundaries | None) -> SequenceShard | None:
         """The shard ``boundaries`` (a shard's own) belong to, None outside a sequence-parallel forward."""
-        return None if boundaries is None else boundaries._device_forms.get(_FORM)
+        # a plain attribute, not a memo entry: compiled graphs guard on it, and memo dicts grow with every packing
+        return None if boundaries is None else boundaries.sequence_shard
 
 
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
