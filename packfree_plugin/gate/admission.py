@@ -137,7 +137,7 @@ def prove_copy(cls: type, config):
     (a refusal at load propagates). Raises :class:`NoCopyError` if no copy runs on stock."""
     import torch
 
-    from .proof import LENGTHS, alone_outputs, build_pair, build_stock, prove, sample_tokens
+    from .proof import LENGTHS, alone_outputs, build_pair, build_stock, placeholder_tokens, prove, sample_tokens
     from .shrink import proof_configs
 
     failures = []
@@ -150,7 +150,7 @@ def prove_copy(cls: type, config):
                 if description.startswith("a copy cut"):  # the tiny copies are small by construction
                     _check_size(cls, copy_config)
                 stock, _ = build_stock(cls, copy_config)
-                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config)))
+                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config), avoid=placeholder_tokens(copy_config)))
             except Exception as error:  # noqa: BLE001 - stock cannot run this copy: try the next one
                 failures.append(f"{description}: {type(error).__name__}: {str(error)[:200]}")
                 continue

@@ -71,12 +71,26 @@ class Proof:
         return text
 
 
-def sample_tokens(lengths: Sequence[int], vocab: int, *, seed: int = 0) -> list[torch.Tensor]:
-    """One ``[n]`` token tensor per length, ids in ``[3, vocab - 16)``: clear of pad/bos/eos and the top ids
-    a shrunk config gives its other special tokens."""
+_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index", "video_token_index",
+                     "audio_token_index")
+
+
+def placeholder_tokens(config: Any) -> frozenset[int]:
+    """The image/video/audio placeholder ids of ``config`` and its text config: a text-only proof must not draw them
+    (stock fails on a placeholder without its media, and packfree refuses 2-D ids beside one)."""
+    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
+    return frozenset(value for c in configs for key in _PLACEHOLDER_KEYS
+                     if isinstance(value := getattr(c, key, None), int))
+
+
+def sample_tokens(lengths: Sequence[int], vocab: int, *, seed: int = 0,
+                  avoid: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    """One ``[n]`` token tensor per length, ids in ``[3, vocab - 16)`` but ``avoid``: clear of pad/bos/eos, the top
+    ids a shrunk config gives its other special tokens, and the placeholders passed."""
     generator = torch.Generator().manual_seed(seed)
     high = max(4, min(vocab, TINY_VOCAB) - 16)
-    return [torch.randint(3, high, (n,), generator=generator) for n in lengths]
+    allowed = torch.tensor([token for token in range(3, high) if token not in avoid] or [3])
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=generator)] for n in lengths]
 
 
 def packed_batch(samples: Sequence[torch.Tensor], mode: str) -> dict[str, Any]:
@@ -212,7 +226,7 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     proof = Proof(getattr(config, "model_type", "?"), type(model).__name__, stock_name)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(config, "vocab_size", None) or getattr(text_config, "vocab_size", None)
-    samples = sample_tokens(lengths, int(vocab or TINY_VOCAB), seed=seed)
+    samples = sample_tokens(lengths, int(vocab or TINY_VOCAB), seed=seed, avoid=placeholder_tokens(config))
     alone = alone_outputs(stock, samples)
     for mode in MODES:
         batch = with_decoder_inputs(model, packed_batch(samples, mode))

@@ -9,6 +9,18 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 
 @pytest.fixture
+def fresh_verdicts(monkeypatch) -> None:
+    """packfree registered, no verdict remembered from another test, and the trust switch off."""
+    import packfree_plugin
+    from packfree_plugin.gate import TRUST_ENV
+    from packfree_plugin.gate import admission
+
+    packfree_plugin.register()
+    monkeypatch.setattr(admission, "_verdicts", {})
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+
+
+@pytest.fixture
 def roberta_without_positions(monkeypatch) -> None:
     """RoBERTa as packfree ran it before its position adapter (``adapters/positions.py``): packed 0-based
     ``position_ids`` shift its positions (numbered from ``padding_idx + 1``), so it is wrong although no sample

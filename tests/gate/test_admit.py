@@ -16,11 +16,7 @@ from packfree_plugin.gate.shrink import tiny_config_for
 from tests.gate.conftest import RowPoolingBert
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts(monkeypatch):
-    packfree_plugin.register()
-    monkeypatch.setattr(admit_module, "_verdicts", {})
-    monkeypatch.delenv(TRUST_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 
 @pytest.fixture

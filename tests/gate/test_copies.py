@@ -11,8 +11,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
-import packfree_plugin
-from packfree_plugin.gate import TRUST_ENV, is_verified
+from packfree_plugin.gate import is_verified
 from packfree_plugin.gate import admission as admit_module
 from packfree_plugin.gate.shrink import shrink_config
 
@@ -20,11 +19,7 @@ PUBLISHED = Path(__file__).with_name("published")
 """config.json of published checkpoints (test data: read here, never fetched)."""
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts(monkeypatch):
-    packfree_plugin.register()
-    monkeypatch.setattr(admit_module, "_verdicts", {})
-    monkeypatch.delenv(TRUST_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 
 @pytest.fixture
@@ -138,3 +133,20 @@ def test_the_sweep_checks_the_gate_on_a_types_defaults_and_its_tester_config() -
     user_config_checks(Target("causal", "llama", "LlamaForCausalLM"), result)
     assert (result.default_config, result.tester_config) == ("exact", "exact")
     assert "| causal | tester | 1 | 0 | 0 | 0 |" in render_gate_checks("5.24.0", [result])
+
+
+
+def test_the_proof_draws_no_media_placeholders() -> None:
+    """transformers' own VLM test configs put the image/video placeholders among the low ids the proof draws from;
+    a text-only proof that drew them was refused at load (2-D ids beside image tokens), a model stock runs."""
+    from transformers import Qwen3VLConfig
+
+    from packfree_plugin.gate.proof import placeholder_tokens, sample_tokens
+
+    config = Qwen3VLConfig()
+    for target in (config, config.get_text_config()):
+        target.image_token_id, target.video_token_id = 5, 6
+    avoid = placeholder_tokens(config)
+    assert {5, 6} <= avoid
+    samples = sample_tokens((40, 40, 40), 128, avoid=avoid)
+    assert not any(bool(torch.isin(sample, torch.tensor(sorted(avoid))).any()) for sample in samples)
