@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
-from .unpacked import has_holes, reads_as_one_sample_per_row
+from .unpacked import PACKING_KWARGS, has_holes, reads_as_one_sample_per_row
 from .parallel.torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
@@ -67,7 +67,6 @@ _HANDLES_ATTR = "_packfree_model_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
 _LAYERS_ATTR = "_packfree_hooked_layers"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
 class NativeCall:
@@ -253,7 +252,7 @@ def _cache_holds_tokens(past: Any) -> bool:
 def _packing_signs(arguments: dict[str, Any]) -> list[str]:
     """What in a call says its rows are packed: boundary kwargs, or 2-D ``position_ids`` that restart at 0 after
     a row's first token (read before the boundaries, where they cannot be built: a filled cache, a 4-D mask)."""
-    signs = [name for name in _PACKED_KWARGS if arguments.get(name) is not None]
+    signs = [name for name in PACKING_KWARGS if arguments.get(name) is not None]
     position_ids = arguments.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and bool((position_ids[:, 1:] == 0).any()):
         signs.append("position_ids restarting at 0")

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASK_SLICING_MODELS", "has_holes", "ids_restart", "reads_as_one_sample_per_row", "slices_its_mask"]
+__all__ = ["MASK_SLICING_MODELS", "PACKING_KWARGS", "has_holes", "ids_restart", "reads_as_one_sample_per_row", "slices_its_mask"]
 
-_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+"""Keyword arguments whose presence alone says a call's rows are packed."""
 
 
 def has_holes(attention_mask: torch.Tensor) -> bool:
@@ -66,7 +67,7 @@ def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
     mask = arguments.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return False
-    if any(arguments.get(name) is not None for name in _BOUNDARY_KWARGS):
+    if any(arguments.get(name) is not None for name in PACKING_KWARGS):
         return False
     position_ids = arguments.get("position_ids")
     return not isinstance(position_ids, torch.Tensor) or not ids_restart(position_ids, mask)
