@@ -11,7 +11,7 @@ import transformers
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from packfree_plugin.gate.admission import NoCopyError, prove_copy
-from packfree_plugin.gate.shrink import cut_config, shrink_config
+from packfree_plugin.gate.shrink import _PUBLISHED, cut_config, shrink_config
 from packfree_plugin.gate.sweep import Target, _gate_on, run_target
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
@@ -32,6 +32,19 @@ def test_a_layer_refused_at_load_is_the_verdict_though_stock_cannot_run_a_row_of
     result = run_target(Target("masked" if model_type == "perceiver" else "causal", model_type, class_name),
                         user_configs=False)
     assert (result.status, result.gate_refuses) == ("refused", True), result.detail
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified_assistant"])
+def test_gemma4s_assistant_is_refused_at_load_for_attending_to_its_target_models_keys(model_type: str) -> None:
+    """The assistant runs on another model's hidden states and keys/values (stock raises on a row of tokens): packfree
+    refuses it at load, saying so, instead of failing to run a copy."""
+    config = shrink_config(AutoConfig.for_model(model_type, **_PUBLISHED.get(model_type, {})))
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    stock = cls._from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="shared_kv_states cannot be None"):
+        stock(input_ids=torch.tensor([[3, 4, 5]]))
+    with pytest.raises(ValueError, match=f"exactly on packed rows: {cls.__name__} .*speculative-decoding assistant"):
+        cls._from_config(config, attn_implementation="packfree")
 
 
 class NoForwardLlama(LlamaForCausalLM):
