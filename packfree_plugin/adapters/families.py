@@ -52,6 +52,11 @@ register_refusal("WhisperEncoder", (
     "Whisper's encoder reads fixed 30-second log-mel windows (input_features) through a conv "
     "front-end, one window per row, not a row of tokens; packfree packs Whisper's decoder alone "
     "(WhisperForCausalLM)"))
+for _assistant in ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM"):
+    register_refusal(_assistant, (
+        "Gemma 4's speculative-decoding assistant runs on its target model's hidden states (inputs_embeds) "
+        "and attends bidirectionally to all of the target's keys and values (shared_kv_states): it has no "
+        "row of tokens of its own and no keys and values per sample to keep apart"))
 
 # The native families' kernel functions: module-level function of a modeling module -> the kernel it implements
 # (a route of :data:`.routes.ROUTED_KERNELS`). These are the functions a modeling module declares with

@@ -120,7 +120,17 @@ COPY_PARAMETERS = 20_000_000
 
 
 class NoCopyError(RuntimeError):
-    """No copy of a model's config could be built and run on stock transformers, so nothing could be proved."""
+    """No copy of a model's config could be built and run on stock transformers, so nothing could be proved.
+
+    ``failures``: why each copy failed on stock (``"<copy>: <error>"``); ``stock_error``: the error stock raises on
+    the user's config itself (built on the meta device, given the proof's row of token ids) when it is the one the
+    tiny copy raised, else None. With it, the failure is stock's (it cannot build or run that config on a row of
+    tokens), not the copies'."""
+
+    def __init__(self, failures: list[str], stock_error: str | None = None) -> None:
+        super().__init__("; ".join(failures))
+        self.failures = failures
+        self.stock_error = stock_error
 
 
 def prove_tiny_copy(model: nn.Module):
@@ -133,14 +143,21 @@ def prove_copy(cls: type, config):
 
     The copies of :func:`.shrink.proof_configs` are tried in turn, until one builds and runs on stock
     transformers (sdpa, else eager) with the proof's samples: a tiny copy, the tiny copy with each layer kind
-    twice, the user's config cut in depth and width. What packfree does on the first such copy is the verdict
-    (a refusal at load propagates). Raises :class:`NoCopyError` if no copy runs on stock."""
+    twice, the user's config cut in depth and width. A copy stock builds is built with packfree too: a refusal at
+    load (a layer packfree cannot run exactly) propagates, whatever the proof's row does on stock. What packfree
+    does on the first copy stock runs is the verdict. Raises :class:`NoCopyError` if no copy runs on stock."""
     import torch
 
     from .proof import LENGTHS, alone_outputs, build_pair, build_stock, placeholder_tokens, prove, sample_tokens
     from .shrink import proof_configs
 
-    failures = []
+    failures: list[str] = []
+    errors: list[str] = []
+
+    def failed(description: str, error: BaseException) -> None:
+        errors.append(_error_text(error))
+        failures.append(f"{description}: {errors[-1]}")
+
     # from_pretrained may call this under its meta-device context (transformers 5.20 does): the copy and the
     # proof's inputs need real data
     with bypassed(), torch.device("cpu"):
@@ -149,16 +166,61 @@ def prove_copy(cls: type, config):
                 copy_config = make_config()
                 if description.startswith("a copy cut"):  # the tiny copies are small by construction
                     _check_size(cls, copy_config)
-                stock, _ = build_stock(cls, copy_config)
-                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config), avoid=placeholder_tokens(copy_config)))
-            except Exception as error:  # noqa: BLE001 - stock cannot run this copy: try the next one
-                failures.append(f"{description}: {type(error).__name__}: {str(error)[:200]}")
+                build_stock(cls, copy_config)
+            except Exception as error:  # noqa: BLE001 - stock cannot build this copy: try the next one
+                failed(description, error)
                 continue
-            packed, stock, implementation = build_pair(cls, copy_config)
+            try:
+                packed, stock, implementation = build_pair(cls, copy_config)
+            except (ValueError, NotImplementedError):
+                raise  # packfree refuses the copy's layers at load: the model's own reason
+            except Exception as error:  # noqa: BLE001 - no refusal (e.g. non-finite initial weights): the next copy
+                failed(description, error)
+                continue
+            try:
+                alone_outputs(stock, sample_tokens(LENGTHS, _vocab(copy_config),
+                                                   avoid=placeholder_tokens(copy_config)))
+            except Exception as error:  # noqa: BLE001 - stock cannot run this copy: try the next one
+                failed(description, error)
+                continue
             proof = prove(packed, stock, stock_name=implementation)
             proof.copy = description
             return proof
-    raise NoCopyError("; ".join(failures))
+    raise NoCopyError(failures, _stock_error_on(cls, config, errors[0]))
+
+
+def _error_text(error: BaseException) -> str:
+    """``"<type>: <message>"`` of ``error``, the message cut to 200 characters (how copies' failures compare)."""
+    return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def _stock_error_on(cls: type, config, copy_error: str) -> str | None:
+    """The error stock raises building or running ``config`` itself, if it is ``copy_error`` (the tiny copy's); None if
+    stock builds and runs it, or fails there otherwise (an op the meta device lacks, ``Tensor.item()``).
+
+    ``config`` is built on the meta device (no memory, any size) and given the proof's first sample, with the
+    model's default cache, then without one."""
+    import torch
+
+    from .audit import with_decoder_inputs
+    from .proof import LENGTHS, build_stock, placeholder_tokens, sample_tokens
+
+    with torch.device("cpu"):
+        sample = sample_tokens(LENGTHS[:1], _vocab(config), avoid=placeholder_tokens(config))[0]
+    with bypassed(), torch.device("meta"):
+        try:
+            stock, _ = build_stock(cls, config)
+        except Exception as error:  # noqa: BLE001 - stock cannot build the user's config as it is
+            return copy_error if _error_text(error) == copy_error else None
+        inputs = with_decoder_inputs(stock, {"input_ids": sample[None].to("meta")})
+        for cache in ({}, {"use_cache": False}):
+            try:
+                with torch.no_grad():
+                    stock(**inputs, **cache)
+            except Exception as error:  # noqa: BLE001
+                if _error_text(error) == copy_error:
+                    return copy_error
+    return None
 
 
 def _vocab(config) -> int:
@@ -187,8 +249,13 @@ def _refusal(model: nn.Module) -> str | None:
     try:
         proof = prove_tiny_copy(model)
     except NoCopyError as error:  # no copy runs on stock: nothing can be proved
-        return (f"packfree could not prove {name} (model type {model_type!r}) exact on packed rows: stock "
-                f"transformers runs no small copy of its config ({error}); {opt_out}")
+        if error.stock_error is not None:
+            return (f"packfree cannot prove {name} (model type {model_type!r}) exact on packed rows: stock "
+                    f"transformers cannot build or run this config itself on a row of token ids "
+                    f"({error.stock_error}, as on its tiny copy); {opt_out}")
+        return (f"packfree cannot prove {name} (model type {model_type!r}) exact on packed rows: it found no copy "
+                f"of this config that stock transformers runs on a row of token ids, although stock builds the "
+                f"config itself; this is packfree's limitation, not the model's ({error}); {opt_out}")
     except Exception as error:  # noqa: BLE001 - packfree refused the copy at load (layers it cannot run exactly)
         return (f"packfree refuses {name} (model type {model_type!r}): {type(error).__name__}: {error}. "
                 f"Load it without attn_implementation='packfree', or {opt_out}")

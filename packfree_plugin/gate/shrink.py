@@ -352,7 +352,17 @@ def shrink_config(config, *, repeats: int = 1):
     values = _serialized(config)
     _shrink_values(values, _hidden_sizes(values), repeats)
     values.pop("model_type", None)
-    return type(config)(**_without_derived(values, config))
+    return _runs_on_tokens(type(config)(**_without_derived(values, config)))
+
+
+def _runs_on_tokens(config):
+    """``config`` (a copy), set so that its model runs on a row of token ids alone, as the proof gives it: X-MOD with
+    no default language needs ``lang_ids`` on every call, so the copy takes its first language (every language
+    adapter is the same kind of layer)."""
+    languages = getattr(config, "languages", None)
+    if getattr(config, "default_language", False) is None and languages:
+        config.default_language = languages[0]
+    return config
 
 
 def _is_width(name: str) -> bool:
@@ -412,7 +422,7 @@ def cut_config(config, factor: int):
     values = _serialized(config)
     _cut_values(values, factor)
     values.pop("model_type", None)
-    return type(config)(**_without_derived(values, config))
+    return _runs_on_tokens(type(config)(**_without_derived(values, config)))
 
 
 def proof_configs(config) -> list[tuple[str, Callable[[], Any]]]:
@@ -471,7 +481,4 @@ def tiny_config_for(model_type: str):
     for name, sub in vars(config).items():  # a composite type's text model that has a catalogue entry uses it
         if isinstance(getattr(sub, "model_type", None), str) and sub.model_type in CATALOGUE:
             setattr(config, name, catalogue_config(sub.model_type))
-    languages = getattr(config, "languages", None)
-    if getattr(config, "default_language", False) is None and languages:  # X-MOD: no language, no forward
-        config.default_language = languages[0]
     return config

@@ -8,7 +8,8 @@ the gate bypassed (what packfree itself does) and classifies the target:
 - ``exact``; ``wrong`` (silently wrong: it ran and gave other results);
 - ``refused`` (a ``ValueError`` / ``NotImplementedError`` at load or on the packed row);
 - ``internal`` (any other exception from packfree: a bug that should become exact or a refusal);
-- ``unbuildable`` (the tiny config, the stock model or its text-only forward fails; or the time limit).
+- ``unbuildable`` (the tiny config or the stock model fails; or, for a model packfree does not refuse at load,
+  stock's text-only forward; or the time limit).
 
 For every target that is not exact it also records whether the gate refuses it at load. Targets run in
 worker processes (``--jobs``) with a per-target time limit, so one hang cannot stall the sweep. It writes
@@ -144,18 +145,22 @@ def _prove_target(target: Target) -> Result:
         result.detail = f"tiny config: {_error(error)}"
         return result
     with bypassed():
-        try:  # stock alone first: if it cannot run, nothing can be proved
-            stock, _ = build_stock(cls, config)
-            alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 128)))
+        try:  # stock first: if it cannot build the model, nothing can be proved
+            build_stock(cls, config)
         except Exception as error:  # noqa: BLE001
             result.detail = f"stock: {_error(error)}"
             return result
-        try:
+        try:  # a refusal at load is the verdict, whatever stock does with a row of tokens
             model, stock, implementation = build_pair(cls, config)
         except Exception as error:  # noqa: BLE001
             result.status = "refused" if _is_refusal(error) else "internal"
             result.detail = f"at load: {_error(error)}"
             result.gate_refuses = True  # the load itself fails
+            return result
+        try:  # stock alone: if it cannot run the proof's rows, nothing can be proved
+            alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 128)))
+        except Exception as error:  # noqa: BLE001
+            result.detail = f"stock: {_error(error)}"
             return result
         try:
             proof = prove(model, stock, stock_name=implementation)
@@ -186,11 +191,12 @@ TESTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, inte
 def tester_config(config):
     """``config`` (a type's defaults) as transformers' test suites size it: :data:`TESTER` on its text config (under
     whatever names it uses: ``n_embd``, ``encoder_attention_heads``, ...), as few layers as keep each layer kind
-    twice, special ids inside the vocabulary; the widths it leaves to their defaults derived from these."""
+    twice, special ids inside the vocabulary, a default language (X-MOD's tester sets one); the widths it leaves to
+    their defaults derived from these."""
     import dataclasses
 
     from .shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS, _is_width,
-                         _remap_special_ids, _shrink_layers, _without_derived)
+                         _remap_special_ids, _runs_on_tokens, _shrink_layers, _without_derived)
 
     values = config.to_dict()
     text_config = config.get_text_config(decoder=True)
@@ -226,14 +232,16 @@ def tester_config(config):
     _remap_special_ids(text, int(text.get("vocab_size") or TESTER["vocab_size"]))
     for name in ("model_type", "_name_or_path", "transformers_version", "architectures", "dtype"):
         values.pop(name, None)
-    return type(config)(**_without_derived(values, config))
+    return _runs_on_tokens(type(config)(**_without_derived(values, config)))
 
 
 def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
     """What the gate does at load for a class it has not verified, on the config ``make_config()`` returns:
-    ``exact`` (admitted), ``refused: ...`` (the copy is not exact: the model's own reason), ``no copy: ...`` (no
-    copy of the config runs on stock: packfree's problem), ``config: ...`` (stock cannot make the config, or with
-    ``stock_runs_it``, a small one, cannot build and run it as it is)."""
+    ``exact`` (admitted), ``refused: ...`` (the copy is not exact, or packfree refuses its layers at load: the
+    model's own reason), ``no copy: ...`` (no copy of the config runs on stock, although stock builds and runs the
+    config itself: packfree's problem), ``config: ...`` (stock cannot make the config, or raises on the config
+    itself what it raised on its tiny copy, :class:`.admission.NoCopyError`; or with ``stock_runs_it``, a small
+    one, cannot build and run it as it is)."""
     from .admission import NoCopyError, _check_size, bypassed, prove_copy
     from .proof import alone_outputs, build_stock, sample_tokens
 
@@ -243,15 +251,27 @@ def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
             _check_size(cls, config)  # a config the tester widths do not reach stays large: not built for real
             with bypassed():
                 stock, _ = build_stock(cls, config)
-                alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 99)))
     except Exception as error:  # noqa: BLE001
         return f"config: {_error(error)}"[:300]
+    stock_fails = None
+    if stock_runs_it:
+        try:
+            with bypassed():
+                alone_outputs(stock, sample_tokens((5,), int(getattr(config, "vocab_size", None) or 99)))
+        except Exception as error:  # noqa: BLE001 - unless packfree refuses its layers at load, stock's reason
+            stock_fails = f"config: {_error(error)}"[:300]
     try:
         proof = prove_copy(cls, config)
     except NoCopyError as error:
+        if stock_fails is not None:
+            return stock_fails
+        if error.stock_error is not None:  # measured: stock raises it on the config itself too
+            return f"config: stock raises it on the config itself, as on its tiny copy: {error.stock_error}"[:300]
         return f"no copy: {error}"[:300]
     except Exception as error:  # noqa: BLE001 - refused at load
         return f"refused: {_error(error)}"[:300]
+    if stock_fails is not None:
+        return stock_fails
     return "exact" if proof.exact else f"refused: {proof.verdict()}"[:300]
 
 

@@ -138,6 +138,7 @@ def test_a_config_without_a_tiny_copy_is_proved_on_a_cut_copy_of_its_own(proofs)
 
 
 def test_a_config_stock_runs_no_copy_of_is_refused_saying_so(monkeypatch) -> None:
+    """Stock builds neither a copy nor the config itself: the refusal names stock's error, not packfree."""
     from packfree_plugin.gate import proof
 
     def broken(cls, config):
@@ -145,5 +146,6 @@ def test_a_config_stock_runs_no_copy_of_is_refused_saying_so(monkeypatch) -> Non
 
     config = tiny_config_for("llama")
     monkeypatch.setattr(proof, "build_stock", broken)
-    with pytest.raises(ValueError, match="runs no small copy of its config .*stock cannot build it"):
+    with pytest.raises(ValueError, match="stock transformers cannot build or run this config itself .*stock cannot "
+                                         "build it, as on its tiny copy"):
         RemoteLlama._from_config(config, attn_implementation="packfree")

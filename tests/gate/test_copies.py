@@ -56,6 +56,21 @@ def test_a_published_config_loads_with_packfree_on_meta(name: str, hidden_size: 
     assert config.hidden_size == hidden_size  # the user's config is left as it was
 
 
+@pytest.mark.parametrize("name", sorted(path.stem for path in PUBLISHED.glob("*.json")))
+def test_every_published_config_loads_with_packfree_on_meta_and_its_copy_is_exact(name: str) -> None:
+    """Every published config of ``tests/gate/published`` loads as a user loads it (``from_config`` on the meta
+    device, verified or proved at load), and the gate's proof on a copy of it, run whether or not the class is
+    verified, builds on stock and is exact."""
+    from packfree_plugin.gate.admission import prove_copy
+
+    config = _published(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree")
+    assert model.config.model_type == config.model_type
+    proof = prove_copy(type(model), config)
+    assert proof.exact, proof.summary()
+
+
 _TESTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=37, vocab_size=99)
 TESTER_CONFIGS = {
     # as transformers' own test suites size them: 2 heads and 2 key/value heads, hidden 32

@@ -104,7 +104,7 @@ def test_the_sweep_runs_targets_in_workers_and_stops_one_past_its_time_limit() -
     chosen = [Target("causal", "llama", "LlamaForCausalLM"),
               Target("causal", "gemma4_assistant", "Gemma4AssistantForCausalLM")]
     verdicts = {r.cls: r.status for r in sweep(chosen, progress=False)}
-    # stock's assistant cannot run without its target model's keys and values
-    assert verdicts == {"LlamaForCausalLM": "exact", "Gemma4AssistantForCausalLM": "unbuildable"}
+    # packfree refuses the assistant at load: it attends to its target model's keys and values
+    assert verdicts == {"LlamaForCausalLM": "exact", "Gemma4AssistantForCausalLM": "refused"}
     (late,) = sweep(chosen[:1], time_limit=0.05, progress=False)
     assert late.status == "unbuildable" and "time limit" in late.detail
