@@ -46,7 +46,7 @@ from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
 from .unpacked import PACKING_KWARGS, has_holes, reads_as_one_sample_per_row
-from .parallel.torch_cp import refuse_packed_rows_under_context_parallel
+from .torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
     "DECODER_POSITION_IDS",

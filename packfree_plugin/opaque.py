@@ -22,8 +22,6 @@ from typing import Any
 import torch
 
 from .boundaries import Boundaries
-from .parallel.heads import sequence_parallel_call
-from .parallel.shard import SequenceShard
 
 __all__ = ["boundary_function", "call", "op_arguments"]
 
@@ -61,9 +59,8 @@ def call(name: str, boundaries: Boundaries, *tensors: torch.Tensor | None, rows:
     ``options`` must be literals (None, bool, int, float, str, lists/tuples of them): they are written into
     the compiled graph. ``rows``: ``(B, T)`` of the segments, default ``tensors[0].shape[:2]``.
     """
-    shard = SequenceShard.of(boundaries)
-    if shard is not None:  # a shard of a sequence-parallel row: run head-parallel on the whole row
-        return sequence_parallel_call(shard, name, _FUNCTIONS[name].run, tensors, options)
+    if boundaries.sequence_shard is not None:  # a shard of a sequence-parallel row: head-parallel on the whole row
+        return boundaries.sequence_shard.call(name, _FUNCTIONS[name].run, tensors, options)
     if not torch.compiler.is_compiling():
         return _FUNCTIONS[name].run(boundaries, *tensors, **options)
     return _boundary_op(*op_arguments(name, boundaries, *tensors, rows=rows, **options))

@@ -28,7 +28,6 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import boundaries_here, in_prepared_forward
 from ..opaque import boundary_function
 from ..unpacked import slices_its_mask
-from ..parallel.shard import whole_row_for_attention
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
 from .varlen import VARLEN_BACKENDS
@@ -209,7 +208,7 @@ def packfree_attention_forward(
                                          training=training), None
     if isinstance(attention_mask, Boundaries):
         if attention_mask.sequence_shard is not None:  # a sequence-parallel shard's: the gathered row's
-            attention_mask = whole_row_for_attention(attention_mask, query.shape[2])
+            attention_mask = attention_mask.sequence_shard.whole_row(query.shape[2])
         return run_packed_attention(query, key, value, attention_mask, options, training=training), None
     if attention_mask is None:
         # a model that made no mask (none of its layers needs one), or Ulysses, which drops it and gathers the row
@@ -217,7 +216,7 @@ def packfree_attention_forward(
         if boundaries is None and _wrapped_by_sequence_parallel():  # a layer that forwards no kwargs (BERT)
             boundaries = boundaries_here()
         if boundaries is not None and boundaries.sequence_shard is not None:
-            boundaries = whole_row_for_attention(boundaries, query.shape[2])
+            boundaries = boundaries.sequence_shard.whole_row(query.shape[2])
         if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, _PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay

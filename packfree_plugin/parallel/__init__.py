@@ -2,8 +2,9 @@
 and a refusal for torch's context parallelism. See docs/distributed.md."""
 
 from .batch import shard_batch, shard_loss
-from .shard import SequenceShard, layout_of, prepare_sequence_parallel
-from .torch_cp import torch_context_parallel_active
+from .prepare import layout_of, prepare_sequence_parallel
+from .shard import SequenceShard
+from ..torch_cp import torch_context_parallel_active
 from .ulysses import register_ulysses
 
 __all__ = ["SequenceShard", "layout_of", "prepare_sequence_parallel", "register_ulysses", "shard_batch", "shard_loss",

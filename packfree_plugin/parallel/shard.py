@@ -1,33 +1,28 @@
-"""One packed row split over a sequence-parallel group: the whole row's boundaries, built once per forward.
+"""A shard of one packed row split over a sequence-parallel group, and the whole row's boundaries it carries.
 
-Each rank holds an equal, contiguous shard ``[B, T/P]`` of the same rows (DeepSpeed's
-``UlyssesSPDataLoaderAdapter`` or :func:`packfree_plugin.parallel.shard_batch` cut them). packfree's model hook
-reads the shard and builds the shard's :class:`Boundaries`, where the shard's first token starts a sample. That is
-true of the row only where a sample starts there, so nothing may use them as the row's samples: a hook that
-:func:`prepare_sequence_parallel` adds after packfree's all-gathers the shard's ``position_ids`` over the group,
-builds the whole row's boundaries, and attaches a :class:`SequenceShard` to the shard's boundaries. Every
-boundary-aware consumer then finds it:
+Each rank holds an equal, contiguous shard ``[B, T/P]`` of the same rows. packfree's model hook builds the shard's
+own :class:`Boundaries`, where the shard's first token starts a sample; :mod:`.prepare` attaches a
+:class:`SequenceShard` holding the whole row's boundaries to them (the ``Boundaries.sequence_shard`` slot), and
+every boundary-aware consumer reads that slot, without importing this package:
 
-- packfree attention, called by Ulysses on the whole row for ``H/P`` heads, runs on the whole row's boundaries;
-- a routed mixer op runs head-parallel on them (:mod:`.heads`).
+- packfree attention, called by Ulysses on the whole row for ``H/P`` heads, runs on :meth:`SequenceShard.whole_row`;
+- a routed mixer op runs head-parallel on it (:meth:`SequenceShard.call`, :mod:`.heads`).
 
 Gradient checkpointing recomputes with the same boundary object, so the attachment holds there too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..boundaries import Boundaries
 
-__all__ = ["SequenceShard", "prepare_sequence_parallel", "whole_row_for_attention"]
-
-_HOOK_ATTR = "_packfree_sequence_parallel"
+__all__ = ["SequenceShard"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +34,8 @@ class SequenceShard:
     group: dist.ProcessGroup
     rank: int
     world_size: int
+    mixer_route: Callable[..., torch.Tensor]
+    """``(shard, name, function, tensors, options) -> output``: how a routed mixer op runs on the whole row."""
 
     def attach(self, local: Boundaries) -> None:
         local.sequence_shard = self
@@ -49,133 +46,19 @@ class SequenceShard:
         # a plain attribute, not a memo entry: compiled graphs guard on it, and memo dicts grow with every packing
         return None if boundaries is None else boundaries.sequence_shard
 
-
-def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[B, T/P]`` on every rank -> ``[B, T]`` (rank order along T); equal shard lengths are required."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([local.shape[-1]], dtype=torch.int64, device=local.device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    if len({int(n) for n in lengths}) != 1:
+    def whole_row(self, length: int) -> Boundaries:
+        """The whole row's boundaries for packfree attention over ``length`` tokens (Ulysses gathered the row).
+        Raises ``ValueError`` when the attention sees fewer tokens than the row: it would attend over the shard."""
+        if self.whole.seq_len == length:
+            return self.whole
         raise ValueError(
-            f"sequence-parallel shards of unequal lengths {[int(n) for n in lengths]}: every rank must hold T/P tokens "
-            "of the row. Pad the row to a multiple of the group size first (packfree_plugin.parallel.shard_batch does)"
-        )
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """After packfree's model hook: attach the whole row's boundaries to the shard's (outermost model only; nested
-    models get the same boundary object through their kwargs)."""
-    from ..context import boundaries_here
-
-    local = boundaries_here()  # what packfree's hook just pushed (models without **kwargs get no packfree_boundaries)
-    if local is None or SequenceShard.of(local) is not None:
-        return
-    group = getattr(module, _HOOK_ATTR)
-    given = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx") if kwargs.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} passed to a sequence-parallel shard: each rank's copy would have to describe the whole "
-            "row. Pass each shard's position_ids (restarting at 0 in every sample) instead"
-        )
-    position_ids = kwargs.get("position_ids")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
-        raise ValueError(
-            f"{type(module).__name__} runs sequence-parallel without [B, T/P] position_ids: the whole row's samples "
-            "are read from them. Shard the batch with packfree_plugin.parallel.shard_batch or DeepSpeed's "
-            "UlyssesSPDataLoaderAdapter, which keep the row's position_ids"
-        )
-    rows = _gather_rows(position_ids, group)
-    whole = Boundaries.from_position_ids(rows, device=position_ids.device)
-    SequenceShard(whole, group, dist.get_rank(group), dist.get_world_size(group)).attach(local)
-    # A shard is never a whole sample (the row goes on on other ranks), so every consumer takes packfree's path, on
-    # every rank alike: a rank whose shard holds one sample must not run a stock mixer while the others exchange.
-    local.is_packed = True
-
-
-def _refuse_unsupported(model: nn.Module) -> None:
-    """Refuse, at set-up, every layer whose packed behaviour would read the shard as the row."""
-    from ..adapters.positions import POSITION_ADAPTERS
-    from ..adapters.entry import adapter_for
-    from ..adapters.routes import native_forward
-
-    name = type(model).__name__
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name}: packfree does not run encoder-decoder models sequence-parallel; use data "
-                         "parallelism (one packed row per rank)")
-    if getattr(config, "_attn_implementation", None) != "packfree":
-        raise ValueError(f"{name} uses attn_implementation={getattr(config, '_attn_implementation', None)!r}; load it "
-                         "with attn_implementation='packfree' to run packed rows sequence-parallel")
-    for path, module in model.named_modules():
-        kind = type(module).__name__
-        adapter = adapter_for(type(module))
-        if adapter is not None and adapter.native is not native_forward:
-            raise ValueError(
-                f"{path} ({kind}): packfree runs only routed mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short "
-                f"convs) sequence-parallel, head by head; its {adapter.family} adapter would read the shard as the row. "
-                "Use data parallelism (DDP/FSDP, one packed row per rank) for this model"
-            )
-        if kind in POSITION_ADAPTERS:
-            raise ValueError(
-                f"{path} ({kind}) numbers positions per sample itself, which a shard cannot do for a sample that "
-                "starts on another rank. Use data parallelism (DDP/FSDP, one packed row per rank) for this model"
-            )
-
-
-def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Make a packfree model run one packed row split over ``group`` (default: the world): whole-row boundaries
-    for its attention and head-parallel routed mixers. Raises ``ValueError`` for a model packfree cannot split
-    exactly. Idempotent; returns ``model``."""
-    from transformers import PreTrainedModel
-
-    from ..context import apply_model_hook
-
-    if not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: call dist.init_process_group (or "
-                         "deepspeed.init_distributed) before prepare_sequence_parallel")
-    group = group if group is not None else dist.group.WORLD
-    _refuse_unsupported(model)
-    apply_model_hook(model)  # packfree's own hook first: ours reads the boundaries it adds
-    outermost = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    if getattr(outermost, _HOOK_ATTR, None) is None:
-        outermost.register_forward_pre_hook(_shard_hook, with_kwargs=True)
-    setattr(outermost, _HOOK_ATTR, group)
-    return model
-
-
-def layout_of(model: nn.Module) -> dict[str, Any] | None:
-    """The sequence-parallel layout a prepared model runs with (``{"world_size", "rank"}``), None if unprepared."""
-    group = getattr(model, _HOOK_ATTR, None)
-    if group is None:
-        return None
-    return {"world_size": dist.get_world_size(group), "rank": dist.get_rank(group)}
-
-
-def whole_row_for_attention(boundaries: Boundaries | None, length: int) -> Boundaries | None:
-    """The boundaries packfree attention over ``length`` tokens runs on: the whole row's when a sequence-parallel
-    wrapper (Ulysses) gathered the row from shards described by ``boundaries``, else ``boundaries``. Raises
-    ``ValueError`` when a wrapper gathered the row of an unprepared model (its shard boundaries cannot describe it)."""
-    if boundaries is None:
-        return None
-    shard = SequenceShard.of(boundaries)
-    if shard is not None:
-        if shard.whole.seq_len == length:
-            return shard.whole
-        raise ValueError(
-            f"packfree attention got {length} tokens of a sequence-parallel shard of rows of {shard.whole.seq_len}: "
+            f"packfree attention got {length} tokens of a sequence-parallel shard of rows of {self.whole.seq_len}: "
             "attention over a shard sees only the shard. Register DeepSpeed Ulysses around packfree attention "
             "(packfree_plugin.parallel.register_ulysses) so each rank attends over the whole row for its heads"
         )
-    if boundaries.seq_len == length:
-        return boundaries
-    if length % boundaries.seq_len == 0:
-        raise ValueError(
-            f"packfree attention got {length} tokens for rows of {boundaries.seq_len}: a sequence-parallel wrapper "
-            "(DeepSpeed Ulysses) gathered the row, and the shard's boundaries cannot describe it. Call "
-            "packfree_plugin.parallel.prepare_sequence_parallel(model, group) after registering Ulysses"
-        )
-    return boundaries
+
+    def call(self, name: str, function: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor | None, ...],
+             options: dict[str, Any]) -> torch.Tensor:
+        """Run boundary function ``name`` (:mod:`packfree_plugin.opaque`) of a shard's mixer on the whole row, with
+        the route :mod:`.prepare` gave this shard (:func:`.heads.sequence_parallel_call`: head-parallel)."""
+        return self.mixer_route(self, name, function, tensors, options)

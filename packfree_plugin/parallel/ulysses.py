@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .shard import prepare_sequence_parallel
+from .prepare import prepare_sequence_parallel
 
 __all__ = ["refuse_latent_attention", "register_ulysses"]
 

@@ -183,7 +183,7 @@ def parallel_layout() -> list[tuple[str, str]]:
 
 def sequence_parallel_support(target: str) -> str:
     """Whether ``target``'s packed rows can be split over ranks (``"yes"``, else the set-up refusal's message)."""
-    from ..parallel.shard import _refuse_unsupported
+    from ..parallel.prepare import check_splittable
     from ..parallel.ulysses import refuse_latent_attention
     from ..registration import register
     from ..tiny import auto_class, load_config
@@ -193,7 +193,7 @@ def sequence_parallel_support(target: str) -> str:
     try:
         with torch.device("meta"):
             model = auto_class(config).from_config(config, attn_implementation="packfree")
-        _refuse_unsupported(model)
+        check_splittable(model)
         refuse_latent_attention(model)
     except ValueError as error:
         return f"refused: {error}"

@@ -111,7 +111,7 @@ def one_process(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
 
 def _plant(case: Case) -> None:
     if case.plant == "shard_edges":
-        from packfree_plugin.parallel import shard
+        from packfree_plugin.parallel import prepare as shard
 
         def shard_local(local: torch.Tensor, group) -> torch.Tensor:
             restarted = local.clone()
@@ -180,7 +180,7 @@ def _worker(rank: int, port: int, cases: list[Case], out: str) -> None:
                 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
                 from packfree_plugin.attention.interface import packfree_attention_forward
-                from packfree_plugin.parallel import shard
+                from packfree_plugin.parallel import prepare as shard
 
                 ALL_ATTENTION_FUNCTIONS["packfree"] = packfree_attention_forward  # undo Ulysses' wrapper
                 if case.engine == "ulysses":
@@ -196,7 +196,7 @@ def _worker(rank: int, port: int, cases: list[Case], out: str) -> None:
     os._exit(0)  # skip the interpreter's teardown, where gloo's threads can abort a finished process
 
 
-from packfree_plugin.parallel.shard import _gather_rows as _GATHER  # noqa: E402  (restored after a planted case)
+from packfree_plugin.parallel.prepare import _gather_rows as _GATHER  # noqa: E402  (restored after a planted case)
 
 
 def _free_port() -> int:

@@ -7,6 +7,9 @@ other, and packfree's per-sample attention calls would each be ringed over the g
 whole row. Mixers would see only their shard. Nothing there can carry the row's boundaries, so packfree refuses a
 packed row inside it at the first forward (before any backward) and names the exact route: DeepSpeed Ulysses with
 :func:`packfree_plugin.parallel.prepare_sequence_parallel`.
+
+The per-forward context (:mod:`.context`) applies this check to every packed forward, so it sits beside it, below
+:mod:`.parallel`, which builds on the context.
 """
 
 from __future__ import annotations
