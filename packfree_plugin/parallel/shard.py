@@ -66,14 +66,14 @@ def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """After packfree's model hook: attach the whole row's boundaries to the shard's (outermost model only; nested
-    models get the same boundary object through their kwargs)."""
-    from ..context import boundaries_here
+    models get the same boundary object through their kwargs), and turn the cache off as for any packed row."""
+    from ..context import boundaries_here, class_forward_parameters
 
     local = boundaries_here()  # what packfree's hook just pushed (models without **kwargs get no packfree_boundaries)
     if local is None or SequenceShard.of(local) is not None:
-        return
+        return None
     group = getattr(module, _HOOK_ATTR)
     given = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx") if kwargs.get(name) is not None]
     if given:
@@ -93,7 +93,17 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     SequenceShard(whole, group, dist.get_rank(group), dist.get_world_size(group)).attach(local)
     # A shard is never a whole sample (the row goes on on other ranks), so every consumer takes packfree's path, on
     # every rank alike: a rank whose shard holds one sample must not run a stock mixer while the others exchange.
+    # packfree's hook read a shard holding one sample's middle as unpacked and left the model's cache on; a cache
+    # filled from a shard is wrong, and the packed mixers refuse one (on that rank only, leaving the others waiting
+    # in an exchange).
     local.is_packed = True
+    parameters = class_forward_parameters(type(module))
+    if "use_cache" in parameters.names and parameters.names.index("use_cache") - 1 < len(args):  # positional
+        index = parameters.names.index("use_cache") - 1  # without self
+        return (*args[:index], False, *args[index + 1:]), kwargs
+    if "use_cache" in parameters.names or parameters.var_keyword is not None:
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def _refuse_unsupported(model: nn.Module) -> None:
