@@ -6,11 +6,13 @@ the rest): one packed row split over 2 CPU ranks (gloo) must give one process's 
 - the same with shard-local boundaries planted: the gradients must differ.
 - LFM2 without Ulysses: its attention would see only the shard; refused in the first forward.
 - torch's context_parallel with a packed row: refused in the first forward.
+- Ulysses over one rank: refused at set-up (DeepSpeed sets up no group for it).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance
 
@@ -58,3 +60,10 @@ def test_packed_row_under_torch_context_parallel_is_refused(results) -> None:
     assert isinstance(error, ValueError), error
     assert "context_parallel" in str(error) and "Ulysses" in str(error)
 
+
+
+def test_ulysses_over_one_rank_is_refused_at_set_up() -> None:
+    from packfree_plugin.parallel import register_ulysses
+
+    with pytest.raises(ValueError, match="nothing to split"):
+        register_ulysses(torch.nn.Linear(2, 2), 1)
