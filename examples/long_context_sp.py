@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/long_context_sp.py                       # tiny Qwen3-Next, gloo, CPU
     torchrun --nproc-per-node 2 examples/long_context_sp.py --model lfm2 --tokens 8192 --steps 5
+    torchrun --nproc-per-node 1 examples/long_context_sp.py                       # one process: the same losses
 
 Every rank holds T/P tokens of the same packed row; the loss printed is the row's mean token loss, the sum of the
 ranks' shares, which equals one process's (tests/parallel checks the loss and every gradient). See
@@ -11,6 +12,7 @@ docs/distributed.md.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3_next", help="a model type (tiny random weights) or a model directory")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--local_rank", type=int, default=None,
+                        help="set by DeepSpeed's launcher (the rank is read from the environment, as torchrun sets it)")
     args = parser.parse_args()
 
     import deepspeed
@@ -44,10 +48,11 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     model = load_model(args.model, "packfree", dtype=torch.float32).to(device).train()
-    mpu = register_ulysses(model, world)  # the whole world is one sequence-parallel group here
-    group = mpu.get_sequence_parallel_group()
+    # the whole world is one sequence-parallel group here; one process runs the row as it is (the baseline)
+    group = register_ulysses(model, world).get_sequence_parallel_group() if world > 1 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         inputs, targets = shard_batch(packed_row(args.tokens, seed=step), rank, world)
@@ -63,7 +68,7 @@ def main() -> None:
         dist.all_reduce(total, group=group)
         if rank == 0:
             print(f"step {step}: {args.tokens} tokens over {world} ranks "
-                  f"({inputs['input_ids'].shape[1]} each), loss {total.item():.4f}")
+                  f"({inputs['input_ids'].shape[1]} each), loss {total.item():.6f}")
     dist.destroy_process_group()
 
 

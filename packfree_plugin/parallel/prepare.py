@@ -18,7 +18,7 @@ from ..adapters.entry import adapter_for
 from ..adapters.positions import POSITION_ADAPTERS
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
-from ..context import apply_model_hook, boundaries_here
+from ..context import apply_model_hook, boundaries_here, class_forward_parameters
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
 
@@ -43,12 +43,12 @@ def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """After packfree's model hook: attach the whole row's boundaries to the shard's (outermost model only; nested
-    models get the same boundary object through their kwargs)."""
+    models get the same boundary object through their kwargs), and turn the cache off as for any packed row."""
     local = boundaries_here()  # what packfree's hook just pushed (models without **kwargs get no packfree_boundaries)
     if local is None or SequenceShard.of(local) is not None:
-        return
+        return None
     group = getattr(module, _HOOK_ATTR)
     given = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx") if kwargs.get(name) is not None]
     if given:
@@ -68,7 +68,17 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     SequenceShard(whole, group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel_call).attach(local)
     # A shard is never a whole sample (the row goes on on other ranks), so every consumer takes packfree's path, on
     # every rank alike: a rank whose shard holds one sample must not run a stock mixer while the others exchange.
+    # packfree's hook read a shard holding one sample's middle as unpacked and left the model's cache on; a cache
+    # filled from a shard is wrong, and the packed mixers refuse one (on that rank only, leaving the others waiting
+    # in an exchange).
     local.is_packed = True
+    parameters = class_forward_parameters(type(module))
+    if "use_cache" in parameters.names and parameters.names.index("use_cache") - 1 < len(args):  # positional
+        index = parameters.names.index("use_cache") - 1  # without self
+        return (*args[:index], False, *args[index + 1:]), kwargs
+    if "use_cache" in parameters.names or parameters.var_keyword is not None:
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def check_splittable(model: nn.Module) -> None:

@@ -30,6 +30,9 @@ def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_bat
     ``model`` for shards of its group; returns DeepSpeed's ``mpu`` (its parallel-state module). A model without
     attention layers (Mamba) skips the registration and splits its mixers over the same group. Needs
     ``deepspeed.init_distributed()`` first."""
+    if sequence_parallel_size < 2:
+        raise ValueError(f"sequence_parallel_size={sequence_parallel_size}: one rank holds the whole row, so there is "
+                         "nothing to split; run the packfree model as it is (or pass 2 or more)")
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 

@@ -72,9 +72,15 @@ def test_data_parallel_gradients_equal_one_process(wrapper: str, model_type: str
     processes = [context.Process(target=_worker, args=(rank, port, wrapper, model_type, out)) for rank in range(2)]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(timeout=300)
-        assert process.exitcode == 0
+    try:
+        for process in processes:
+            process.join(timeout=300)
+            assert process.exitcode == 0, f"a rank exited with {process.exitcode} (None: still running after 300 s)"
+    finally:
+        for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
+            if process.is_alive():
+                process.kill()
+                process.join()
     distributed = torch.load(out)
     torch.manual_seed(0)
     model, _ = fresh_pair(model_type)

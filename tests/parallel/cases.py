@@ -7,9 +7,15 @@ ranks. Several cases share one spawn of the ranks (importing transformers domina
 
 from __future__ import annotations
 
+import faulthandler
+import functools
+import importlib
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -96,11 +102,21 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@functools.lru_cache(maxsize=None)
 def one_process(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
-    """The single-process packed run: the row's mean token loss (in the model's dtype) and the gradients."""
+    """The single-process packed run: the row's mean token loss (in the model's dtype) and the gradients (kept for
+    the module: a planted case compares with its unplanted twin's)."""
+    from packfree_plugin.boundaries import Boundaries
+
     model = _model(case)
     batch = _batch(case)
     labels = batch.pop("labels")
+    if len(case.lengths) == 1:
+        # One process runs a row of one sample stock (Qwen3-Next's stock delta rule computes in float32); its shards
+        # run packfree's packed ops, so this reference runs them too, on the whole row, in the model's dtype.
+        boundaries = Boundaries.from_position_ids(batch["position_ids"], device=batch["input_ids"].device)
+        boundaries.is_packed = True
+        batch.update(packfree_boundaries=boundaries, use_cache=False)
     logits = model(**batch).logits
     if case.model_type not in ENCODERS:  # token t predicts t + 1 (transformers' loss would cast to float32)
         logits, labels = logits[:, :-1], labels[:, 1:]
@@ -158,42 +174,62 @@ def _torch_context_parallel(model: torch.nn.Module, case: Case) -> Result:
     raise AssertionError(f"a packed row ran inside torch's context_parallel (logits {list(logits.shape)})")
 
 
+CASE_SECONDS = 240
+"""A case's limit on each rank (a few seconds alone, a minute on a loaded 2-core machine): past it the rank prints
+every thread's traceback and exits, so a collective one rank skipped fails the test instead of hanging it."""
+START_SECONDS = 300
+"""The limit for starting a rank (imports, the process group)."""
+
+
 def _worker(rank: int, port: int, cases: list[Case], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    faulthandler.dump_traceback_later(START_SECONDS, exit=True)
     torch.set_num_threads(1)  # two ranks share the CI machine's two cores
+    timeout = timedelta(seconds=CASE_SECONDS)  # a collective whose peer is gone raises instead of waiting forever
     if any(case.engine == "ulysses" for case in cases):
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU ranks at start-up (minutes on 2 cores, and a
+        # compile killed midway leaves a lock file every later start waits on); Ulysses needs gloo's all-to-all only
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
     results: dict[str, object] = {}
     try:
         for case in cases:
+            faulthandler.dump_traceback_later(CASE_SECONDS, exit=True)
+            print(f"rank {rank}: {case.name}", file=sys.stderr, flush=True)  # names the case a traceback is from
             _plant(case)
             try:
                 results[case.name] = _sequence_parallel(case, rank)
             except ValueError as error:  # a refusal: every rank raises it in the forward
                 results[case.name] = error
             finally:
-                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-                from packfree_plugin.attention.interface import packfree_attention_forward
-                from packfree_plugin.parallel import prepare as shard
-
-                ALL_ATTENTION_FUNCTIONS["packfree"] = packfree_attention_forward  # undo Ulysses' wrapper
-                if case.engine == "ulysses":
-                    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-                    parallel_state_sp._release_sequence_parallel_groups()  # the next case registers afresh
-                shard._gather_rows = _GATHER
+                _undo_case(case)
+        faulthandler.cancel_dump_traceback_later()
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     os._exit(0)  # skip the interpreter's teardown, where gloo's threads can abort a finished process
+
+
+def _undo_case(case: Case) -> None:
+    """Undo what a case registered, so the next case starts as a fresh process would."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from packfree_plugin.attention.interface import packfree_attention_forward
+    from packfree_plugin.parallel import prepare as shard
+
+    ALL_ATTENTION_FUNCTIONS["packfree"] = packfree_attention_forward  # undo Ulysses' wrapper
+    if case.engine == "ulysses":
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        parallel_state_sp._release_sequence_parallel_groups()  # the next case registers afresh
+    shard._gather_rows = _GATHER
 
 
 from packfree_plugin.parallel.prepare import _gather_rows as _GATHER  # noqa: E402  (restored after a planted case)
@@ -206,20 +242,26 @@ def _free_port() -> int:
 
 
 def run_on_two_ranks(cases: list[Case], out: str) -> dict[str, object]:
-    """Run every case on 2 ranks; ``{case.name: its Result, or the ValueError it raised}``."""
+    """Run every case on 2 ranks; ``{case.name: its Result, or the ValueError it raised}``. Raises AssertionError
+    as soon as a rank fails (its traceback is on stderr), ending the other."""
     context = mp.get_context("spawn")
     port = _free_port()
     processes = [context.Process(target=_worker, args=(rank, port, cases, out)) for rank in range(WORLD)]
     for process in processes:
         process.start()
+    deadline = time.monotonic() + START_SECONDS + CASE_SECONDS * len(cases)  # the ranks' own limits come first
     try:
-        for process in processes:
-            process.join(timeout=1200)
-            assert process.exitcode == 0, f"rank exited with {process.exitcode}"
+        while any(process.is_alive() for process in processes) and time.monotonic() < deadline:
+            if any(process.exitcode not in (None, 0) for process in processes):
+                break
+            time.sleep(0.5)
+        codes = [process.exitcode for process in processes]
+        assert codes == [0] * WORLD, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
     finally:
         for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
             if process.is_alive():
                 process.kill()
+                process.join()
     return torch.load(out, weights_only=False)
 
 

@@ -6,11 +6,14 @@ the rest): one packed row split over 2 CPU ranks (gloo) must give one process's 
 - the same with shard-local boundaries planted: the gradients must differ.
 - LFM2 without Ulysses: its attention would see only the shard; refused in the first forward.
 - torch's context_parallel with a packed row: refused in the first forward.
+- Ulysses over one rank: refused at set-up (DeepSpeed sets up no group for it).
+- Qwen3-Next in a group of one process: a shard that looks unpacked runs packed, with the model's cache off.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance
 
@@ -58,3 +61,40 @@ def test_packed_row_under_torch_context_parallel_is_refused(results) -> None:
     assert isinstance(error, ValueError), error
     assert "context_parallel" in str(error) and "Ulysses" in str(error)
 
+
+
+def test_ulysses_over_one_rank_is_refused_at_set_up() -> None:
+    from packfree_plugin.parallel import register_ulysses
+
+    with pytest.raises(ValueError, match="nothing to split"):
+        register_ulysses(torch.nn.Linear(2, 2), 1)
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo group of this process alone (no port: an in-memory store), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_shard_holding_one_samples_middle_runs_without_the_cache(group_of_one) -> None:
+    """A shard that looks unpacked (one sample's middle) must still run packed, with the cache off: Qwen3-Next's
+    packed Gated DeltaNet refused the cache its model made for such a shard, on that rank only (its peers then
+    waited in the head exchange). A group of one, whose shard is the whole row, runs the same hook in-process."""
+    from packfree_plugin.parallel import prepare_sequence_parallel
+    from tests.parallel.cases import _batch, _grads, _model
+
+    case = Case("qwen3_next", (16,))
+    model = prepare_sequence_parallel(_model(case))
+    batch = _batch(case)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    loss.backward()
+    expected_loss, expected = one_process(case)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    error, name = relative_error(_grads(model), expected)
+    assert error <= 1e-5, (name, error)

@@ -1,0 +1,196 @@
+"""One long packed row split over 2 ranks (DeepSpeed Ulysses + packfree, gloo on the CPU) against one process.
+
+A Llama-shaped model (:data:`CONFIG`, float32, random weights) trains on one packed row of :data:`TOKENS` tokens
+(samples of 64..1024 tokens, as ``DataCollatorWithFlattening`` packs them): first in one process (packfree, no
+sequence parallelism), then on 2 ranks, each holding half the row (``register_ulysses``, ``shard_batch``,
+``shard_loss``). Both runs are in this one bench run, each in fresh processes, every process with one CPU thread
+(each rank stands for one device; the one process for one device of the same kind).
+
+- **peak activation memory**: each process's peak resident memory during its training steps above its memory just
+  before them (model, its gradient buffers and the batch built; the peak is reset there through
+  ``/proc/self/clear_refs``); for 2 ranks, the larger rank's.
+- **step time**: median forward + backward of the row (after a warm-up step): one process's time for the row
+  against the slower rank's.
+- the losses of both runs (equal to float32 rounding: ``tests/parallel`` checks every gradient).
+
+``python -m benchmarks.sequence_parallel [--quick]``; needs deepspeed (``nox -s bench`` installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+TOKENS = 16384
+QUICK_TOKENS = 4096
+WORLD = 2
+CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=4, head_dim=32, vocab_size=8192, max_position_embeddings=TOKENS)
+"""A small Llama: 4 layers, width 256, 8 query / 4 key-value heads of 32, vocabulary 8192 (the logits of a long row
+dominate activation memory in real models too)."""
+
+
+def _peak_mib() -> float:
+    """This process's peak resident memory since the last :func:`_reset_peak` (VmHWM), MiB."""
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def _current_mib() -> float:
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+
+
+def packed_row(tokens: int) -> dict:
+    """``[1, tokens]`` ids, position_ids and labels of random samples of 64..1024 tokens, packed."""
+    import torch
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(0)
+    samples, total = [], 0
+    while total < tokens:
+        length = min(int(torch.randint(64, 1025, (1,), generator=generator)), tokens - total)
+        samples.append({"input_ids": torch.randint(3, CONFIG["vocab_size"], (length,), generator=generator).tolist()})
+        total += length
+    return dict(DataCollatorWithFlattening()(samples))
+
+
+def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, out: str) -> None:
+    """One process of a run (``world`` 1: the baseline, no sequence parallelism); writes ``out.<rank>``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import deepspeed
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from packfree_plugin.parallel import register_ulysses, shard_batch, shard_loss
+    from packfree_plugin.registration import register
+
+    # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU ranks at start-up; Ulysses needs gloo's all-to-all
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    register()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="packfree",
+                                             dtype=torch.float32).train()
+    group = register_ulysses(model, world).get_sequence_parallel_group() if world > 1 else None
+    inputs, targets = shard_batch(packed_row(tokens), rank, world)
+
+    def step() -> float:
+        model.zero_grad(set_to_none=False)  # gradients stay allocated between steps, as in training
+        loss = shard_loss(model(**inputs, use_cache=False).logits, targets, group)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total.item()
+
+    for parameter in model.parameters():  # allocated before the peak is reset: parameters' memory, not activations
+        parameter.grad = torch.zeros_like(parameter)
+    before = _current_mib()
+    _reset_peak()
+    times, loss = [], 0.0
+    for _ in range(repeats + 1):  # the first is a warm-up; its memory counts (the peak is the peak)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+    result = {"peak_extra_mib": _peak_mib() - before, "seconds": statistics.median(times[1:]), "loss": loss,
+              "shard_tokens": inputs["input_ids"].shape[1]}
+    with open(f"{out}.{rank}", "w") as file:
+        json.dump(result, file)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip the interpreter's teardown, where gloo's threads can abort a finished process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(world: int, tokens: int, repeats: int) -> list[dict]:
+    """Run ``world`` fresh processes on one row; each one's result."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        out, port = os.path.join(folder, "result"), _free_port()
+        processes = [context.Process(target=_worker, args=(rank, world, port, tokens, repeats, out))
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        try:
+            for process in processes:
+                process.join(timeout=1800)
+                if process.exitcode != 0:
+                    raise RuntimeError(f"a {world}-process run exited with {process.exitcode}")
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        results = []
+        for rank in range(world):
+            with open(f"{out}.{rank}") as file:
+                results.append(json.load(file))
+        return results
+
+
+def run(quick: bool = False) -> list[dict]:
+    tokens = QUICK_TOKENS if quick else TOKENS
+    if importlib.util.find_spec("deepspeed") is None:
+        return [{"tokens": tokens, "note": "not run: needs deepspeed (nox -s bench installs it)"}]
+    repeats = 1 if quick else 3
+    alone, = measure(1, tokens, repeats)
+    ranks = measure(WORLD, tokens, repeats)
+    memory = max(rank["peak_extra_mib"] for rank in ranks)
+    seconds = max(rank["seconds"] for rank in ranks)
+    return [{
+        "tokens": tokens, "ranks": WORLD, "one_process_peak_extra_mib": alone["peak_extra_mib"],
+        "per_rank_peak_extra_mib": memory, "memory_ratio": memory / alone["peak_extra_mib"],
+        "one_process_seconds": alone["seconds"], "two_rank_seconds": seconds, "time_ratio": seconds / alone["seconds"],
+        "one_process_loss": alone["loss"], "two_rank_loss": ranks[0]["loss"],
+        "per_rank_mib": [rank["peak_extra_mib"] for rank in ranks],
+    }]
+
+
+def markdown(rows: list[dict]) -> str:
+    row = rows[0]
+    if "note" in row:
+        return f"{row['tokens']} tokens: {row['note']}"
+    layers, width = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
+    return "\n".join([
+        f"Llama-shaped, {layers} layers, width {width}, vocabulary {CONFIG['vocab_size']}, float32; one packed row of "
+        f"{row['tokens']} tokens; one CPU thread per process.",
+        "",
+        "| | 1 process | 2 ranks (per rank, the larger) | 2 ranks / 1 process |",
+        "|---|---:|---:|---:|",
+        f"| peak activation memory, MiB | {row['one_process_peak_extra_mib']:.0f} | {row['per_rank_peak_extra_mib']:.0f} "
+        f"| {row['memory_ratio']:.2f}x |",
+        f"| step (fwd+bwd), s | {row['one_process_seconds']:.2f} | {row['two_rank_seconds']:.2f} "
+        f"| {row['time_ratio']:.2f}x |",
+        f"| loss | {row['one_process_loss']:.6f} | {row['two_rank_loss']:.6f} | |",
+    ])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens, one repeat")
+    print(markdown(run(quick=parser.parse_args().quick)), file=sys.stdout)
