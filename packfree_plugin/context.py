@@ -361,6 +361,8 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
             return _read_batch(module, args, kwargs)
         _push(boundaries)  # first: the post-hook pops even when the check raises
         _check_given(boundaries, tokens)
+        if len(_STACK.items) == 1:  # built ahead by the caller, whose ids these are
+            boundaries.callers_position_ids = kwargs.get("position_ids")
         return args, kwargs
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
@@ -440,6 +442,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     boundaries = outer if inherited else _paired_decoder(outer, arguments, kwargs)
     if boundaries is None:
         boundaries = boundaries_for_call(arguments, causal_labels=not seq2seq)
+        if boundaries is not None and outer is None:  # the outermost call's ids are the caller's
+            boundaries.callers_position_ids = arguments.get("position_ids")
     if seq2seq:
         _pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:
