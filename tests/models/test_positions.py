@@ -364,6 +364,22 @@ def test_the_gate_admits_them_at_load(model_type: str, class_name: str) -> None:
     getattr(transformers, class_name)._from_config(tiny_config_for(model_type), attn_implementation="packfree")
 
 
+def test_the_gates_proof_gives_each_sample_its_packed_ids(monkeypatch) -> None:
+    """The gate's proof compares a packed row that carries ``position_ids`` with each sample run alone with its slice
+    of them (and a row without ids with samples alone without ids): RoBERTa is exact in every mode, and an adapter
+    that ignores the caller's ids (planted) is caught in the first mode, naming the position embedding."""
+    from packfree_plugin.adapters import positions
+    from packfree_plugin.gate.proof import MODES, build_pair, prove
+
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.RobertaForMaskedLM, tiny_config_for("roberta"))
+    assert prove(model, stock, stock_name=implementation).exact
+    monkeypatch.setattr(positions, "_callers_ids", lambda position_ids, boundaries: False)
+    proof = prove(model, stock, stock_name=implementation)
+    assert proof.kind == "wrong" and proof.mode == MODES[0] and proof.max_diff > 1e-2
+    assert "position_embeddings" in proof.wrong_modules[0]
+
+
 @pytest.mark.parametrize(("model_type", "class_name", "overrides"), [
     ("trocr", "TrOCRForCausalLM", {"use_learned_position_embeddings": False}),  # positions count non-padding tokens
     ("mvp", "MvpForConditionalGeneration", {"use_prompt": True}),  # prompt keys prepended to every attention
