@@ -184,7 +184,7 @@ RULES: dict[str, Rule] = {
 register_position_adapter(PositionAdapter("fairseq_positions", (
     "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings", "Data2VecTextEmbeddings",
     "RobertaPreLayerNormEmbeddings", "XLMRobertaXLEmbeddings", "XmodEmbeddings", "IBertEmbeddings",
-    "LukeEmbeddings", "MPNetEmbeddings",
+    "LukeEmbeddings", "MPNetEmbeddings", "Kosmos2_5TextSinusoidalPositionalEmbedding",
 ), "after_padding_idx", notes="create_position_ids_from_input_ids: positions from padding_idx + 1"))
 register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings", "NystromformerEmbeddings",
                                                                "YosoEmbeddings"), "position_buffer",

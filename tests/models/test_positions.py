@@ -380,6 +380,26 @@ def test_the_gates_proof_gives_each_sample_its_packed_ids(monkeypatch) -> None:
     assert "position_embeddings" in proof.wrong_modules[0]
 
 
+def test_kosmos_2_5s_text_positions_from_padding_idx(monkeypatch) -> None:
+    """Kosmos-2.5's text decoder numbers a lone sample from ``padding_idx + 1`` (fairseq-style sinusoidal positions):
+    the gate's proof of text-only packed rows against each sample alone on stock is exact in every mode, and without
+    the position adapter the rows without ids (``cu_seq_lens`` alone) are wrong, so the proof can fail. (It was
+    refused at load before.)"""
+    from packfree_plugin.adapters import positions
+    from packfree_plugin.gate.proof import build_pair, prove
+
+    config = tiny_config_for("kosmos-2.5")
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
+    proof = prove(model, stock, stock_name=implementation)
+    assert proof.exact, proof.summary()
+    monkeypatch.delitem(positions.POSITION_ADAPTERS, "Kosmos2_5TextSinusoidalPositionalEmbedding")
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
+    proof = prove(model, stock, stock_name=implementation, diagnose=False)
+    assert proof.kind == "wrong" and proof.mode == "cu_seq_lens" and proof.max_diff > 1e-2
+
+
 @pytest.mark.parametrize(("model_type", "class_name", "overrides"), [
     ("trocr", "TrOCRForCausalLM", {"use_learned_position_embeddings": False}),  # positions count non-padding tokens
     ("mvp", "MvpForConditionalGeneration", {"use_prompt": True}),  # prompt keys prepended to every attention
