@@ -66,7 +66,8 @@ class Boundaries:
     """
 
     __slots__ = ("batch_size", "seq_len", "offsets", "padding", "device", "lengths", "max_seqlen", "is_packed",
-                 "has_padding", "host_offsets", "host_padding", "_rows", "_device_forms", "sequence_shard")
+                 "has_padding", "host_offsets", "host_padding", "_rows", "_device_forms", "sequence_shard",
+                 "callers_position_ids")
 
     def __init__(
         self,
@@ -128,6 +129,9 @@ class Boundaries:
         # whose lock torch.compile cannot trace).
         self._device_forms: dict[Hashable, Any] = {}
         self.sequence_shard: Any = None  # the parallel.shard.SequenceShard these describe a shard of, if any
+        self.callers_position_ids: torch.Tensor | None = None
+        """The ``position_ids`` the caller passed with the batch these describe (set by the model hook; None: none
+        passed), which models that number positions themselves honour (:mod:`packfree_plugin.adapters.positions`)."""
         if cu_seqlens is not None:
             self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
-from .unpacked import PACKING_KWARGS, has_holes, reads_as_one_sample_per_row
+from .unpacked import PACKING_KWARGS, has_holes, ids_restart, reads_as_one_sample_per_row
 from .torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
@@ -361,6 +361,8 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
             return _read_batch(module, args, kwargs)
         _push(boundaries)  # first: the post-hook pops even when the check raises
         _check_given(boundaries, tokens)
+        if len(_STACK.items) == 1:  # built ahead by the caller, whose ids these are
+            boundaries.callers_position_ids = kwargs.get("position_ids")
         return args, kwargs
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
@@ -440,6 +442,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     boundaries = outer if inherited else _paired_decoder(outer, arguments, kwargs)
     if boundaries is None:
         boundaries = boundaries_for_call(arguments, causal_labels=not seq2seq)
+        if boundaries is not None and outer is None:  # the outermost call's ids are the caller's
+            boundaries.callers_position_ids = arguments.get("position_ids")
     if seq2seq:
         _pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:
@@ -546,10 +550,21 @@ def _uses_mrope(config: Any) -> bool:
     return False
 
 
+def _packs_rows(arguments: dict[str, Any]) -> bool:
+    """Whether a call carries a packing signal (:mod:`packfree_plugin.unpacked`): boundary keywords, or position ids
+    that restart inside a row's kept tokens."""
+    if any(arguments.get(name) is not None for name in PACKING_KWARGS):
+        return True
+    position_ids, mask = arguments.get("position_ids"), arguments.get("attention_mask")
+    mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+    return isinstance(position_ids, torch.Tensor) and ids_restart(position_ids, mask)
+
+
 def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     """Refuse position ids whose form does not fit the model's rotary scheme: 3-D ids on a model without MRoPE
-    (transformers fails deep inside); on an MRoPE model with images, 2-D ids (the model would copy them into its
-    three planes, and image tokens would lose their (t, h, w) positions in every sample, the first too), and
+    (transformers fails deep inside); on an MRoPE model with images, 2-D ids on a packed row (the model would copy
+    them into its three planes, and image tokens would lose their (t, h, w) positions in every sample, the first
+    too; with one sample per row that is what stock does, and packfree does the same), and
     packed rows (``cu_seq_lens`` / ``seq_idx``) without ids (packfree would number each sample 0, 1, ... on every
     plane). Images are present when any of :func:`_carries_images`'s signals says so: pixel values, grids,
     precomputed vision outputs, or placeholder tokens."""
@@ -563,6 +578,8 @@ def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     if not _uses_mrope(config) or not _carries_images(config, arguments):
         return
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2:
+        if not _packs_rows(arguments):
+            return  # one sample per row: the model reads its 2-D ids as stock does
         given = "2-D position_ids"
     elif position_ids is None and _packing_signs(arguments):
         given = f"a packed batch ({', '.join(_packing_signs(arguments))}) without position_ids"

@@ -1,4 +1,5 @@
-"""Per-segment positions: every packed sample is numbered the way the model numbers that sample alone.
+"""Per-segment positions: every packed sample is numbered the way the model numbers that sample alone (with its own
+slice of the caller's ``position_ids``, where the caller passes them).
 
 Most models read their positions from ``position_ids``, which packfree's boundaries restart in every sample.
 Some compute positions themselves, and on a packed row they would number the whole row as one sequence. A
@@ -9,8 +10,8 @@ holds boundaries with more than one sample in some row). With one sample per row
 
 - ``after_padding_idx``: fairseq-style embeddings (RoBERTa and its copies): a sample's tokens are numbered
   ``padding_idx + 1, padding_idx + 2, ...`` (padding tokens get ``padding_idx``), as
-  ``create_position_ids_from_input_ids`` numbers a lone sample. Packed 0-based ``position_ids`` would shift
-  every position by ``-(padding_idx + 1)``, and without them positions would run on across samples.
+  ``create_position_ids_from_input_ids`` numbers a lone sample (without the rule, positions would run on across
+  samples).
 - ``position_buffer``: embeddings that number a lone sample from their ``position_ids`` buffer (MRA's starts
   at 2): token ``t`` of a sample gets ``buffer[t]``.
 - ``by_shape``: positional embeddings computed from the input's shape alone (BART-style learned tables with an
@@ -20,10 +21,15 @@ holds boundaries with more than one sample in some row). With one sample per row
   and next tokens' embeddings; TrOCR's sinusoidal positions count non-padding tokens): the module runs on each
   group of equal-length samples, so no sample sees another's tokens.
 
-**What packed ``position_ids`` mean for these models:** they mark where samples start (the boundary rule of
-:mod:`packfree_plugin.boundaries`), and each sample is then numbered the way the model numbers a lone sample
-called without ``position_ids``; their values are not fed to the embeddings. (Called with one sample per row,
-the model uses whatever ``position_ids`` it is given, as stock does.)
+**The caller's ``position_ids`` win.** Where the caller passes ``position_ids``, the module reads them as stock does,
+token by token (``per_sample`` embeddings: sample by sample, each with its slice), so every sample gets what it gets
+alone called with its own slice of those ids (packed 0-based ids give a RoBERTa-style sample positions ``0, 1, ...``,
+as stock does with them, and as transformers' padding-free tests expect). The rules above number a packed sample only
+where no ids were passed (boundaries from ``cu_seq_lens`` or ``seq_idx`` alone; the ids packfree then hands the model,
+``Boundaries.position_ids``, are its own and do not count as the caller's, nor do ids a model makes itself, such as
+BART's decoder's ``0 .. T-1`` over the row: only the very tensor the caller passed,
+:attr:`Boundaries.callers_position_ids`, does): each sample is numbered the way the model numbers a lone sample called
+without ``position_ids``.
 
 Seq2seq models that make their decoder inputs by shifting ``labels`` (or, BART's denoising default,
 ``input_ids``) right would shift a packed row as one sequence, so every sample but the first would start from
@@ -153,7 +159,9 @@ def _by_shape(module: nn.Module, forward: Callable, boundaries: Boundaries, argu
 
 
 def _per_sample(module: nn.Module, forward: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
-    arguments.pop("position_ids", None)  # each sample numbered as the module numbers a lone sample
+    if not _callers_ids(arguments.get("position_ids"), boundaries):
+        arguments.pop("position_ids", None)  # each sample numbered as the module numbers a lone sample
+    # else the caller's ids are cut per sample below, with the tokens
     token_names = tuple(name for name, value in arguments.items()
                         if isinstance(value, torch.Tensor) and value.ndim >= 2)
     fixed = {name: value for name, value in arguments.items() if name not in token_names}
@@ -176,7 +184,7 @@ RULES: dict[str, Rule] = {
 register_position_adapter(PositionAdapter("fairseq_positions", (
     "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings", "Data2VecTextEmbeddings",
     "RobertaPreLayerNormEmbeddings", "XLMRobertaXLEmbeddings", "XmodEmbeddings", "IBertEmbeddings",
-    "LukeEmbeddings", "MPNetEmbeddings",
+    "LukeEmbeddings", "MPNetEmbeddings", "Kosmos2_5TextSinusoidalPositionalEmbedding",
 ), "after_padding_idx", notes="create_position_ids_from_input_ids: positions from padding_idx + 1"))
 register_position_adapter(PositionAdapter("buffer_positions", ("MraEmbeddings", "NystromformerEmbeddings",
                                                                "YosoEmbeddings"), "position_buffer",
@@ -186,7 +194,7 @@ register_position_adapter(PositionAdapter("shape_positions", (
     "BartLearnedPositionalEmbedding", "MBartLearnedPositionalEmbedding", "PLBartLearnedPositionalEmbedding",
     "MvpLearnedPositionalEmbedding", "TrOCRLearnedPositionalEmbedding", "BigBirdPegasusLearnedPositionalEmbedding",
     "BlenderbotLearnedPositionalEmbedding", "BlenderbotSmallLearnedPositionalEmbedding",
-    "MarianSinusoidalPositionalEmbedding", "PegasusSinusoidalPositionalEmbedding", "XGLMSinusoidalPositionalEmbedding",
+    "MarianSinusoidalPositionalEmbedding", "PegasusSinusoidalPositionalEmbedding",
     "MusicgenSinusoidalPositionalEmbedding", "MusicgenMelodySinusoidalPositionalEmbedding",
 ), "by_shape", notes="learned (BART-style, offset 2) and sinusoidal tables indexed by the position in the input"))
 register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings", "TrOCRSinusoidalPositionalEmbedding"),
@@ -213,6 +221,15 @@ def _row_length(arguments: dict[str, Any]) -> int | None:
     return None
 
 
+def _callers_ids(position_ids: Any, boundaries: Boundaries) -> bool:
+    """Whether a module got the very ``position_ids`` tensor the caller passed (:attr:`Boundaries.callers_position_ids`):
+    not the per-sample ids packfree's model hook passes when the batch carries none, and not ids the model makes
+    itself (BART's decoder counts ``0 .. T-1`` over the row, whatever the caller passed), which stock reads for a lone
+    sample too."""
+    given = boundaries.callers_position_ids
+    return isinstance(given, torch.Tensor) and position_ids is given
+
+
 def _position_forward(module: nn.Module, *args, **kwargs):
     """The forward every covered embedding module gets, as ``functools.partial(_position_forward, module)``
     in its ``__dict__`` (picklable; a deep copy binds to the copy)."""
@@ -233,6 +250,8 @@ def _position_forward(module: nn.Module, *args, **kwargs):
 @torch.compiler.disable  # the numbering follows the packing: compiled, every new packing would recompile
 def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Boundaries,
             arguments: dict[str, Any]) -> Any:
+    if numbering != "per_sample" and _callers_ids(arguments.get("position_ids"), boundaries):
+        return forward(**arguments)  # read token by token: each sample takes its own slice of the caller's ids
     return RULES[numbering](module, forward, boundaries, arguments)
 
 

@@ -1,13 +1,14 @@
 """The isolation proof: every packed sample's outputs equal that sample run alone on stock transformers.
 
-:func:`prove` packs a few samples of different lengths into one row and runs the packfree model on it twice
-(boundaries from ``position_ids`` alone, as TRL sends them; and with the keyword arguments of
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``), each time with the
-model's default ``use_cache``. It runs each sample alone (``input_ids [1, n]``, nothing else; an encoder-decoder
-also gets them as ``decoder_input_ids``, in the packed row too) on a stock twin with the same weights (``sdpa``, else ``eager``) and compares the main output (``logits``, else
-``last_hidden_state``): a per-token output ``[1, T, ...]`` sample by sample, a pooled one (``[1, C]``) must
-come back once per sample. On a mismatch it names the modules where the packed run first departs from the
-alone runs and, with the perturbation audit of :mod:`.audit`, those whose outputs crossed
+:func:`prove` packs a few samples of different lengths into one row and runs the packfree model on it three times,
+each time with the model's default ``use_cache``: boundaries from ``position_ids`` alone, as TRL sends them; with the
+keyword arguments of ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``; and with
+those boundary keywords but no ``position_ids``. It runs each sample alone (``input_ids [1, n]`` and, where its
+packed row carried ``position_ids``, its own slice of them, ``0 .. n-1``; an encoder-decoder also gets its ids as
+``decoder_input_ids``, in the packed row too) on a stock twin with the same weights (``sdpa``, else ``eager``) and
+compares the main output (``logits``, else ``last_hidden_state``): a per-token output ``[1, T, ...]`` sample by
+sample, a pooled one (``[1, C]``) must come back once per sample. On a mismatch it names the modules where the packed
+run first departs from the alone runs and, with the perturbation audit of :mod:`.audit`, those whose outputs crossed
 samples.
 """
 
@@ -24,11 +25,15 @@ from torch import nn
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
 
-__all__ = ["LENGTHS", "MODES", "Proof", "build_pair", "build_stock", "main_output", "prove", "sample_tokens"]
+__all__ = ["LENGTHS", "MODES", "Proof", "alone_batch", "build_pair", "build_stock", "main_output", "prove",
+           "sample_tokens"]
 
 LENGTHS = (6, 9, 5)
 """Packed sample lengths: each longer than a shrunk config's window / chunk (4 tokens)."""
-MODES = ("position_ids", "collator")
+MODES = ("position_ids", "collator", "cu_seq_lens")
+"""How a packed row says where its samples start: restarting ``position_ids``; everything
+``DataCollatorWithFlattening`` adds; its ``cu_seq_lens`` / ``seq_idx`` without ``position_ids``."""
+_MODES_WITH_IDS = ("position_ids", "collator")
 TOLERANCE = 1e-4
 """Largest |packed - alone| accepted, relative to ``max(1, max |alone|)`` (float32)."""
 
@@ -95,16 +100,28 @@ def sample_tokens(lengths: Sequence[int], vocab: int, *, seed: int = 0,
 
 def packed_batch(samples: Sequence[torch.Tensor], mode: str) -> dict[str, Any]:
     """One packed row: ``input_ids`` and ``position_ids [1, T]``, plus in ``collator`` mode everything
-    ``DataCollatorWithFlattening`` adds (``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``)."""
+    ``DataCollatorWithFlattening`` adds (``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``); in ``cu_seq_lens``
+    mode those without ``position_ids``."""
     from transformers import DataCollatorWithFlattening
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    flash = mode == "collator"
+    flash = mode != "position_ids"
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash, return_seq_idx=flash)
     batch = collator([{"input_ids": s.tolist()} for s in samples])
     batch.pop("labels", None)
+    if mode not in _MODES_WITH_IDS:
+        batch.pop("position_ids")
     return dict(batch)
+
+
+def alone_batch(sample: torch.Tensor, *, position_ids: bool = False) -> dict[str, torch.Tensor]:
+    """``sample [n]`` run alone: ``input_ids [1, n]``, with ``position_ids`` ``0 .. n-1`` (the slice of a packed row's
+    ids that a sample gets) when ``position_ids``."""
+    batch = {"input_ids": sample[None]}
+    if position_ids:
+        batch["position_ids"] = torch.arange(len(sample), device=sample.device)[None]
+    return batch
 
 
 def main_output(output: Any) -> torch.Tensor:
@@ -147,13 +164,14 @@ def build_stock(cls: type, config) -> tuple[nn.Module, str]:
         return _build(cls, config, "eager"), "eager"
 
 
-def alone_outputs(stock: nn.Module, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Main output of each sample run alone on ``stock`` (``input_ids [1, n]``, and the same as decoder inputs of an
+def alone_outputs(stock: nn.Module, samples: Sequence[torch.Tensor], *,
+                  position_ids: bool = False) -> list[torch.Tensor]:
+    """Main output of each sample run alone on ``stock`` (:func:`alone_batch`, and its ids as decoder inputs of an
     encoder-decoder; if stock's default cache raises, once more with ``use_cache=False``), float32."""
     outputs = []
     with torch.no_grad():
         for sample in samples:
-            inputs = with_decoder_inputs(stock, {"input_ids": sample[None]})
+            inputs = with_decoder_inputs(stock, alone_batch(sample, position_ids=position_ids))
             try:
                 outputs.append(main_output(stock(**inputs)).float())
             except Exception:  # noqa: BLE001 - e.g. xLSTM's default cache fails on stock; retry without it
@@ -198,7 +216,8 @@ def _wrong_modules(model: nn.Module, stock: nn.Module, samples: Sequence[torch.T
     module's output on a sample run alone on stock."""
     lengths = [len(s) for s in samples]
     packed = _first_outputs(model, with_decoder_inputs(model, packed_batch(samples, mode)))
-    alone = [_first_outputs(stock, with_decoder_inputs(stock, {"input_ids": s[None]})) for s in samples]
+    with_ids = mode in _MODES_WITH_IDS
+    alone = [_first_outputs(stock, with_decoder_inputs(stock, alone_batch(s, position_ids=with_ids))) for s in samples]
     wrong = []
     for name, tensor in packed.items():
         if tensor.ndim < 2 or tensor.shape[0] != 1 or tensor.shape[1] != sum(lengths):
@@ -227,7 +246,7 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(config, "vocab_size", None) or getattr(text_config, "vocab_size", None)
     samples = sample_tokens(lengths, int(vocab or TINY_VOCAB), seed=seed, avoid=placeholder_tokens(config))
-    alone = alone_outputs(stock, samples)
+    alone: dict[bool, list[torch.Tensor]] = {}  # with position ids or not -> each sample's stock output
     for mode in MODES:
         batch = with_decoder_inputs(model, packed_batch(samples, mode))
         try:
@@ -236,7 +255,10 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
         except Exception as error:  # noqa: BLE001 - any failure on a packed row is the verdict
             proof.mode, proof.error = mode, f"{type(error).__name__}: {error}"
             return proof
-        diff, reason = _compare(packed, alone, lengths)
+        with_ids = mode in _MODES_WITH_IDS
+        if with_ids not in alone:  # after the packed run: a model that cannot take ids fails there, as the verdict
+            alone[with_ids] = alone_outputs(stock, samples, position_ids=with_ids)
+        diff, reason = _compare(packed, alone[with_ids], lengths)
         if reason is not None or diff > TOLERANCE:
             proof.mode, proof.max_diff = mode, diff
             proof.reason = reason or f"max |packed - alone| = {diff:.3g} x max(1, |alone|)"

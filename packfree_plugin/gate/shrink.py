@@ -446,7 +446,10 @@ def _without_derived(values: dict[str, Any], config) -> dict[str, Any]:
     for name, value in values.items():
         sub = getattr(config, name, None) if isinstance(value, dict) and _has_setting(config, name) else None
         if isinstance(sub, PreTrainedConfig):
-            values[name] = _without_derived(value, sub)
+            # a sub-config dict keeps its model_type, which is no dataclass field but names the class to build
+            # (Exaone-4.5 and MusicFlamingo read it in __post_init__)
+            kept = {"model_type": value["model_type"]} if "model_type" in value else {}
+            values[name] = {**_without_derived(value, sub), **kept}
     if not dataclasses.is_dataclass(config):
         return values
     fields = {field.name for field in dataclasses.fields(config)}

@@ -45,7 +45,7 @@ TARGETS = [
     # token shift
     ("mobilebert", "MobileBertForMaskedLM"),
 ]
-MODES = ("position_ids", "cu_seq_lens")
+MODES = ("position_ids", "cu_seq_lens", "running_ids")
 
 
 FLOAT32_ONLY = {"mra", "xglm"}
@@ -87,7 +87,8 @@ def _samples(config, *, seed: int = 0) -> list[list[torch.Tensor]]:
 def _packed(rows: list[list[torch.Tensor]], mode: str, *,
             padding: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Packed rows: boundaries from restarting ``position_ids``, from ``cu_seq_lens`` alone, or from ``cu_seq_lens``
-    next to ``position_ids`` that run on across the row (``running_ids``: the boundaries win). ``padding``:
+    next to ``position_ids`` that run on across the row (``running_ids``: the boundaries decide the samples, the ids
+    their positions). ``padding``:
     ``(length, pad id)`` of a padding span ending every row, marked by an ``attention_mask``
     (``position_ids`` mode)."""
     if padding is not None:
@@ -115,15 +116,25 @@ def _tolerance(model: torch.nn.Module, implementation: str) -> float:
     return 1e-9 if implementation == "sdpa" else 1e-6  # stock eager softmaxes in float32
 
 
+def _alone(batch: dict[str, torch.Tensor], row: int, start: int, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inputs of ``sample`` (at ``start`` in ``row`` of the packed ``batch``) run alone: its ids and, where the
+    packed row carried ``position_ids``, its own slice of them (what stock gives a sample called with those ids)."""
+    inputs = {"input_ids": sample[None]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"][row, start:start + len(sample)][None]
+    return inputs
+
+
 def _max_diff_from_alone(model: torch.nn.Module, stock: torch.nn.Module, rows, mode: str, *,
                          padding: tuple[int, int] | None = None) -> float:
+    batch = _packed(rows, mode, padding=padding)
     with torch.no_grad():
-        packed = main_output(model(**_packed(rows, mode, padding=padding)))
+        packed = main_output(model(**batch))
         worst = 0.0
         for row, samples in enumerate(rows):
             start = 0
             for sample in samples:
-                alone = main_output(stock(input_ids=sample[None]))[0]
+                alone = main_output(stock(**_alone(batch, row, start, sample)))[0]
                 piece = packed[row, start:start + len(sample)]
                 assert torch.isfinite(piece).all()
                 worst = max(worst, float((piece - alone).abs().max()))
@@ -140,15 +151,15 @@ def test_packed_samples_equal_each_sample_alone(model_type: str, class_name: str
 
 
 @pytest.mark.parametrize(("model_type", "class_name"), [
-    ("roberta", "RobertaModel"), ("mra", "MraModel"), ("bart", "BartForCausalLM"), ("xglm", "XGLMModel"),
+    ("roberta", "RobertaModel"), ("mra", "MraModel"), ("bart", "BartForCausalLM"),
     ("mobilebert", "MobileBertModel"), ("bart", "BartModel"), ("musicgen_decoder", "MusicgenForCausalLM"),
 ])
 def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> None:
-    """``cu_seq_lens`` beside position ids that run on across the row: exact with the position adapters, and
-    wrong once they (and BART's per-sample decoder inputs) are taken off again, so the comparison can fail."""
+    """``cu_seq_lens`` without position ids: exact with the position adapters, and wrong once they (and BART's
+    per-sample decoder inputs) are taken off again, so the comparison can fail."""
     model, stock, implementation = _pair(model_type, class_name)
     rows = _samples(model.config)
-    assert _max_diff_from_alone(model, stock, rows, "running_ids") < _tolerance(model, implementation)
+    assert _max_diff_from_alone(model, stock, rows, "cu_seq_lens") < _tolerance(model, implementation)
     assert wrap_positions(model)
     for module in model.modules():
         if type(module).__name__ in POSITION_ADAPTERS:
@@ -156,6 +167,25 @@ def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> N
         hook = module.__dict__.pop("_packfree_decoder_inputs_hook", None)
         if hook is not None:
             hook.remove()
+    assert _max_diff_from_alone(model, stock, rows, "cu_seq_lens") > 1e-3
+
+
+@pytest.mark.parametrize(("model_type", "class_name"), [
+    ("roberta", "RobertaForCausalLM"), ("xmod", "XmodForMaskedLM"), ("mra", "MraModel"),
+    ("mobilebert", "MobileBertModel"), ("nystromformer", "NystromformerForMaskedLM"),
+])
+def test_the_callers_position_ids_are_honoured(model_type: str, class_name: str, monkeypatch) -> None:
+    """Packed rows with the caller's ``position_ids`` (restarting at 0 in every sample, and running on across the row
+    beside ``cu_seq_lens``): each sample equals stock run alone with its own slice of those ids (transformers'
+    padding-free tests pass RoBERTa 0-based ids). Numbering the samples as if no ids had been passed (packfree's
+    earlier rule, planted here) departs from that reference, so the comparison can fail."""
+    from packfree_plugin.adapters import positions
+
+    model, stock, implementation = _pair(model_type, class_name)
+    rows = _samples(model.config)
+    for mode in ("position_ids", "running_ids"):
+        assert _max_diff_from_alone(model, stock, rows, mode) < _tolerance(model, implementation), mode
+    monkeypatch.setattr(positions, "_callers_ids", lambda position_ids, boundaries: False)
     assert _max_diff_from_alone(model, stock, rows, "running_ids") > 1e-3
 
 
@@ -259,11 +289,12 @@ def test_embeddings_of_models_with_their_own_attention(model_type: str, class_na
     exact per sample here. (Longformer, which pads the row to a multiple of its window, is refused at load.)"""
     model, stock, _ = _pair(model_type, class_name)
     rows = _samples(model.config)
-    packed = _embeddings(model, _packed(rows, mode))
+    batch = _packed(rows, mode)
+    packed = _embeddings(model, batch)
     for row, samples in enumerate(rows):
         start = 0
         for sample in samples:
-            alone = _embeddings(stock, {"input_ids": sample[None]})[0, :len(sample)]
+            alone = _embeddings(stock, _alone(batch, row, start, sample))[0, :len(sample)]
             assert_close(packed[row, start:start + len(sample)], alone, atol=1e-12, rtol=0,
                          what=f"{class_name} row {row} at {start}")
             start += len(sample)
@@ -331,6 +362,42 @@ def test_the_gate_admits_them_at_load(model_type: str, class_name: str) -> None:
     """Loaded with packfree and no opt-out, each class passes the gate's proof on a tiny copy (it was refused)."""
     packfree_plugin.register()
     getattr(transformers, class_name)._from_config(tiny_config_for(model_type), attn_implementation="packfree")
+
+
+def test_the_gates_proof_gives_each_sample_its_packed_ids(monkeypatch) -> None:
+    """The gate's proof compares a packed row that carries ``position_ids`` with each sample run alone with its slice
+    of them (and a row without ids with samples alone without ids): RoBERTa is exact in every mode, and an adapter
+    that ignores the caller's ids (planted) is caught in the first mode, naming the position embedding."""
+    from packfree_plugin.adapters import positions
+    from packfree_plugin.gate.proof import MODES, build_pair, prove
+
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.RobertaForMaskedLM, tiny_config_for("roberta"))
+    assert prove(model, stock, stock_name=implementation).exact
+    monkeypatch.setattr(positions, "_callers_ids", lambda position_ids, boundaries: False)
+    proof = prove(model, stock, stock_name=implementation)
+    assert proof.kind == "wrong" and proof.mode == MODES[0] and proof.max_diff > 1e-2
+    assert "position_embeddings" in proof.wrong_modules[0]
+
+
+def test_kosmos_2_5s_text_positions_from_padding_idx(monkeypatch) -> None:
+    """Kosmos-2.5's text decoder numbers a lone sample from ``padding_idx + 1`` (fairseq-style sinusoidal positions):
+    the gate's proof of text-only packed rows against each sample alone on stock is exact in every mode, and without
+    the position adapter the rows without ids (``cu_seq_lens`` alone) are wrong, so the proof can fail. (It was
+    refused at load before.)"""
+    from packfree_plugin.adapters import positions
+    from packfree_plugin.gate.proof import build_pair, prove
+
+    config = tiny_config_for("kosmos-2.5")
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
+    proof = prove(model, stock, stock_name=implementation)
+    assert proof.exact, proof.summary()
+    monkeypatch.delitem(positions.POSITION_ADAPTERS, "Kosmos2_5TextSinusoidalPositionalEmbedding")
+    with bypassed():
+        model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
+    proof = prove(model, stock, stock_name=implementation, diagnose=False)
+    assert proof.kind == "wrong" and proof.mode == "cu_seq_lens" and proof.max_diff > 1e-2
 
 
 @pytest.mark.parametrize(("model_type", "class_name", "overrides"), [

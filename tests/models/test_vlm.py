@@ -151,6 +151,26 @@ def test_flat_position_ids_with_images_on_mrope_are_refused(model_type: str) -> 
         model(**inputs, position_ids=flat)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("model_type", MROPE)
+def test_flat_position_ids_with_images_unpacked_equal_stock(model_type: str, side: str) -> None:
+    """One sample per row with 2-D ids beside images (a padded batch, ids ``(cumsum(mask) - 1) * mask`` as
+    transformers' tests build them, and one sample with ``arange`` ids): no packing signal, so packfree runs it as
+    stock sdpa does (the model copies the ids into its planes), never refused. The same ids restarting in a packed
+    row are refused (above)."""
+    case = CASES[model_type]
+    model, stock = _pair(model_type)
+    batch = _padded(case, _samples(case)[:2], side)
+    mask = batch["attention_mask"]
+    batch["position_ids"] = (mask.cumsum(1) - 1) * mask
+    one = case.sample([5, 6], [case.sizes[-1]], [7, 8, 9], seed=1)
+    one["position_ids"] = torch.arange(one["input_ids"].shape[1])[None]
+    with torch.no_grad():
+        ours, theirs = model(**batch).logits, stock(**batch).logits
+        assert_close(ours[mask.bool()], theirs[mask.bool()], atol=EXACT, rtol=0, what=f"{model_type} {side}-padded")
+        assert_close(model(**one).logits, stock(**one).logits, atol=EXACT, rtol=0, what=f"{model_type} one sample")
+
+
 def _vision_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
     """``mm_encoder_outputs`` as a caller precomputes them: the vision tower's outputs for the batch's images."""
     with torch.no_grad():

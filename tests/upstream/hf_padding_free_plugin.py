@@ -206,6 +206,7 @@ class PaddingFreeCase(pytest.Item):
         case_class = type(self.testcase_class.__name__, (self.testcase_class,),
                           {"all_generative_model_classes": (self.model_class,)})
         _seed(f"{self.testcase_class.__module__}::{self.testcase_class.__name__}::{self.name}")
+        _own_config_arguments()
         case_class.setUpClass()
         try:
             case = case_class(self.method)
@@ -247,6 +248,30 @@ def _seed(key: str) -> None:
     common = sys.modules.get("tests.test_modeling_common")
     if common is not None and hasattr(common, "global_rng"):
         common.global_rng.seed(seed)
+
+
+_COPYING = "_packfree_copies_its_arguments"
+
+
+def _own_config_arguments() -> None:
+    """Each sub-config of a multimodal tester gets its own copy of the tester's arguments. The v5.15 testers hand the
+    text and vision config classes the same ``rope_parameters`` dict; transformers 5.24 sets a default rope type into
+    that dict in place (Kimi-K2.5's vision config makes it ``"axial"``), and the text model then fails with
+    ``KeyError: 'axial'``, on stock as on packfree. With a copy each config reads what the tester gave it."""
+    import copy
+    import sys
+
+    tester_module = sys.modules.get("tests.multimodal_tester")
+    tester = getattr(tester_module, "MultiModalModelTester", None)
+    if tester is None or getattr(tester._collect_kwargs, _COPYING, False):
+        return
+    collect = tester._collect_kwargs
+
+    def collect_copies(self, sig_keys, config_class):
+        return copy.deepcopy(collect(self, sig_keys, config_class))
+
+    setattr(collect_copies, _COPYING, True)
+    tester._collect_kwargs = collect_copies
 
 
 def _substitute() -> str:

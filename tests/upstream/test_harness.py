@@ -140,3 +140,27 @@ def test_the_plugin_lifts_requirements_substitutes_and_splits_per_model_class(tm
         ("FakeTest", "MistralForCausalLM"): "mismatch",
         ("SkippedTest", "-"): "not_applicable",  # a class its file skips is not listed
     }, run.stdout[-3000:]
+
+
+def test_each_sub_config_gets_its_own_copy_of_the_testers_arguments(monkeypatch) -> None:
+    """A v5.15 multimodal tester hands its text and vision configs one ``rope_parameters`` dict; transformers 5.24
+    writes a vision default into it in place (Kimi-K2.5's ``"axial"``), which broke the text model on stock and
+    packfree alike. The harness gives each config class its own copy (once, however many tests run)."""
+    import types
+
+    from tests.upstream import hf_padding_free_plugin as plugin
+
+    class Tester:
+        rope_parameters = {"rope_type": "default"}
+
+        def _collect_kwargs(self, sig_keys, config_class):
+            return {key: getattr(self, key) for key in sig_keys}
+
+    monkeypatch.setitem(sys.modules, "tests.multimodal_tester", types.SimpleNamespace(MultiModalModelTester=Tester))
+    shared = Tester()._collect_kwargs(["rope_parameters"], None)
+    assert shared["rope_parameters"] is Tester.rope_parameters  # the sharing the harness undoes
+    plugin._own_config_arguments()
+    plugin._own_config_arguments()
+    vision = Tester()._collect_kwargs(["rope_parameters"], None)
+    vision["rope_parameters"]["rope_type"] = "axial"  # what the vision config does to its arguments
+    assert Tester()._collect_kwargs(["rope_parameters"], None)["rope_parameters"] == {"rope_type": "default"}
