@@ -196,6 +196,7 @@ register_position_adapter(PositionAdapter("shape_positions", (
     "BlenderbotLearnedPositionalEmbedding", "BlenderbotSmallLearnedPositionalEmbedding",
     "MarianSinusoidalPositionalEmbedding", "PegasusSinusoidalPositionalEmbedding",
     "MusicgenSinusoidalPositionalEmbedding", "MusicgenMelodySinusoidalPositionalEmbedding",
+    "WhisperPositionalEmbedding",
 ), "by_shape", notes="learned (BART-style, offset 2) and sinusoidal tables indexed by the position in the input"))
 register_position_adapter(PositionAdapter("token_shift", ("MobileBertEmbeddings", "TrOCRSinusoidalPositionalEmbedding"),
                                           "per_sample",

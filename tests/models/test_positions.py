@@ -42,6 +42,8 @@ TARGETS = [
     ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration"), ("bigbird_pegasus", "BigBirdPegasusForCausalLM"),
     # ... numbered from the [B, codebooks, T] ids (one codebook here) or the embeddings: MusicGen's decoders
     ("musicgen_decoder", "MusicgenForCausalLM"), ("musicgen_melody_decoder", "MusicgenMelodyForCausalLM"),
+    # ... a table sliced from the cache length (Whisper's decoder, which takes no position_ids as a CausalLM)
+    ("whisper", "WhisperForCausalLM"),
     # token shift
     ("mobilebert", "MobileBertForMaskedLM"),
 ]
@@ -153,6 +155,7 @@ def test_packed_samples_equal_each_sample_alone(model_type: str, class_name: str
 @pytest.mark.parametrize(("model_type", "class_name"), [
     ("roberta", "RobertaModel"), ("mra", "MraModel"), ("bart", "BartForCausalLM"),
     ("mobilebert", "MobileBertModel"), ("bart", "BartModel"), ("musicgen_decoder", "MusicgenForCausalLM"),
+    ("whisper", "WhisperForCausalLM"),
 ])
 def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> None:
     """``cu_seq_lens`` without position ids: exact with the position adapters, and wrong once they (and BART's
