@@ -128,7 +128,9 @@ class Boundaries:
         # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
         # whose lock torch.compile cannot trace).
         self._device_forms: dict[Hashable, Any] = {}
-        self.sequence_shard: Any = None  # the parallel.shard.SequenceShard these describe a shard of, if any
+        # the parallel.shard.SequenceShard these describe a shard of, if any: a plain attribute, not a memo entry
+        # (compiled graphs guard on it, and memo dicts grow with every packing)
+        self.sequence_shard: Any = None
         self.callers_position_ids: torch.Tensor | None = None
         """The ``position_ids`` the caller passed with the batch these describe (set by the model hook; None: none
         passed), which models that number positions themselves honour (:mod:`packfree_plugin.adapters.positions`)."""

@@ -45,13 +45,14 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
-from .unpacked import PACKING_KWARGS, has_holes, ids_restart, reads_as_one_sample_per_row
+from .unpacked import PACKING_KWARGS, carries_packing_signal, has_holes, reads_as_one_sample_per_row
 from .torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
     "DECODER_POSITION_IDS",
     "ForwardParameters",
     "NativeCall",
+    "VISUAL_TOKEN_KEYS",
     "apply_model_hook",
     "boundaries_for_call",
     "boundaries_here",
@@ -61,6 +62,7 @@ __all__ = [
     "in_prepared_forward",
     "native_call",
     "tensor_leaves",
+    "without_cache",
 ]
 
 _HANDLES_ATTR = "_packfree_model_hook_handles"
@@ -199,6 +201,18 @@ class ForwardParameters:
         if extra:
             arguments[self.var_keyword] = extra
         return arguments
+
+
+def without_cache(parameters: ForwardParameters, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A call's ``args`` (``self`` not among them) and ``kwargs`` with ``use_cache=False``, where the caller passed it
+    (positionally or by keyword); unchanged for a forward with neither a ``use_cache`` parameter nor ``**kwargs``."""
+    if "use_cache" in parameters.names:
+        index = parameters.names.index("use_cache") - 1  # without self
+        if index < len(args):
+            return (*args[:index], False, *args[index + 1:]), kwargs
+    if "use_cache" in parameters.names or parameters.var_keyword is not None:
+        return args, {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 @cache
@@ -447,11 +461,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     if seq2seq:
         _pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:
-        if boundaries.is_packed and "use_cache" in bound and "use_cache" not in kwargs:  # passed positionally
-            index = parameters.names.index("use_cache") - 1  # without self
-            args = (*args[:index], False, *args[index + 1:])
-        elif boundaries.is_packed and ("use_cache" in parameters.names or takes_kwargs):
-            kwargs["use_cache"] = False
+        if boundaries.is_packed:
+            args, kwargs = without_cache(parameters, args, kwargs)
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries
         if boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in parameters.names:
@@ -518,7 +529,8 @@ def _paired_decoder(outer: Boundaries | None, arguments: dict[str, Any], kwargs:
 
 _VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs")
 """Arguments that say a call carries images or videos (precomputed vision outputs included)."""
-_VISUAL_TOKEN_IDS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+VISUAL_TOKEN_KEYS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+"""Config attributes that hold a model's image / video placeholder token id."""
 
 
 def _carries_images(config: Any, arguments: dict[str, Any]) -> bool:
@@ -535,7 +547,7 @@ def _carries_images(config: Any, arguments: dict[str, Any]) -> bool:
     tokens = arguments.get("input_ids")
     if not isinstance(tokens, torch.Tensor):
         return False
-    placeholders = [getattr(config, name, None) for name in _VISUAL_TOKEN_IDS]
+    placeholders = [getattr(config, name, None) for name in VISUAL_TOKEN_KEYS]
     placeholders = [token for token in placeholders if isinstance(token, int)]
     return bool(placeholders) and bool(torch.isin(tokens, torch.tensor(placeholders, device=tokens.device)).any())
 
@@ -548,16 +560,6 @@ def _uses_mrope(config: Any) -> bool:
         if isinstance(rope, dict) and any("mrope" in str(item) for item in (*rope, *rope.values())):
             return True
     return False
-
-
-def _packs_rows(arguments: dict[str, Any]) -> bool:
-    """Whether a call carries a packing signal (:mod:`packfree_plugin.unpacked`): boundary keywords, or position ids
-    that restart inside a row's kept tokens."""
-    if any(arguments.get(name) is not None for name in PACKING_KWARGS):
-        return True
-    position_ids, mask = arguments.get("position_ids"), arguments.get("attention_mask")
-    mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
-    return isinstance(position_ids, torch.Tensor) and ids_restart(position_ids, mask)
 
 
 def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
@@ -578,7 +580,7 @@ def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     if not _uses_mrope(config) or not _carries_images(config, arguments):
         return
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2:
-        if not _packs_rows(arguments):
+        if not carries_packing_signal(arguments):
             return  # one sample per row: the model reads its 2-D ids as stock does
         given = "2-D position_ids"
     elif position_ids is None and _packing_signs(arguments):

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASK_SLICING_MODELS", "PACKING_KWARGS", "has_holes", "ids_restart", "reads_as_one_sample_per_row", "slices_its_mask"]
+__all__ = ["MASK_SLICING_MODELS", "PACKING_KWARGS", "carries_packing_signal", "has_holes", "ids_restart",
+           "reads_as_one_sample_per_row", "slices_its_mask"]
 
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 """Keyword arguments whose presence alone says a call's rows are packed."""
@@ -61,16 +62,21 @@ def ids_restart(position_ids: torch.Tensor, attention_mask: torch.Tensor | None)
     return False
 
 
+def carries_packing_signal(arguments: dict[str, Any]) -> bool:
+    """Whether a call's bound ``arguments`` say its rows are packed: a boundary keyword (:data:`PACKING_KWARGS`), or
+    ``position_ids`` that restart inside a row's kept tokens (read with a 2-D ``attention_mask`` where one is given)."""
+    if any(arguments.get(name) is not None for name in PACKING_KWARGS):
+        return True
+    position_ids, mask = arguments.get("position_ids"), arguments.get("attention_mask")
+    mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+    return isinstance(position_ids, torch.Tensor) and ids_restart(position_ids, mask)
+
+
 def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
     """Whether a call's bound ``arguments`` carry a 2-D ``attention_mask`` and no packing signal: its rows are
     one sample each, read from the mask alone (position ids then only number positions, as in stock)."""
     mask = arguments.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-        return False
-    if any(arguments.get(name) is not None for name in PACKING_KWARGS):
-        return False
-    position_ids = arguments.get("position_ids")
-    return not isinstance(position_ids, torch.Tensor) or not ids_restart(position_ids, mask)
+    return isinstance(mask, torch.Tensor) and mask.ndim == 2 and not carries_packing_signal(arguments)
 
 
 MASK_SLICING_MODELS: dict[str, str] = {

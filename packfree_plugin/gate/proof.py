@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
 
@@ -76,8 +77,7 @@ class Proof:
         return text
 
 
-_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index", "video_token_index",
-                     "audio_token_index")
+_PLACEHOLDER_KEYS = (*VISUAL_TOKEN_KEYS, "audio_token_id", "audio_token_index")
 
 
 def placeholder_tokens(config: Any) -> frozenset[int]:
@@ -201,7 +201,6 @@ def _compare(packed: torch.Tensor, alone: list[torch.Tensor], lengths: Sequence[
 
 def _first_outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Module name -> first floating tensor of its first call's output (float32), in completion order."""
-
     first = {}
     for name, calls in record_outputs(model, batch).items():
         floats = [t for t in calls[0] if t.is_floating_point()]
@@ -271,7 +270,6 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
 
 
 def _diagnose(proof: Proof, model: nn.Module, stock: nn.Module, samples: Sequence[torch.Tensor], mode: str) -> None:
-
     try:
         proof.wrong_modules = _wrong_modules(model, stock, samples, mode)
         leaks = audit(model, lengths=[len(s) for s in samples]).leaks

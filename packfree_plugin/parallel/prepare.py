@@ -18,7 +18,8 @@ from ..adapters.entry import adapter_for
 from ..adapters.positions import POSITION_ADAPTERS
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
-from ..context import apply_model_hook, boundaries_here, class_forward_parameters
+from ..context import apply_model_hook, boundaries_here, class_forward_parameters, without_cache
+from ..unpacked import PACKING_KWARGS
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
 
@@ -47,10 +48,10 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     """After packfree's model hook: attach the whole row's boundaries to the shard's (outermost model only; nested
     models get the same boundary object through their kwargs), and turn the cache off as for any packed row."""
     local = boundaries_here()  # what packfree's hook just pushed (models without **kwargs get no packfree_boundaries)
-    if local is None or SequenceShard.of(local) is not None:
+    if local is None or local.sequence_shard is not None:
         return None
     group = getattr(module, _HOOK_ATTR)
-    given = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx") if kwargs.get(name) is not None]
+    given = [name for name in PACKING_KWARGS if kwargs.get(name) is not None]
     if given:
         raise ValueError(
             f"{', '.join(given)} passed to a sequence-parallel shard: each rank's copy would have to describe the whole "
@@ -72,13 +73,7 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     # filled from a shard is wrong, and the packed mixers refuse one (on that rank only, leaving the others waiting
     # in an exchange).
     local.is_packed = True
-    parameters = class_forward_parameters(type(module))
-    if "use_cache" in parameters.names and parameters.names.index("use_cache") - 1 < len(args):  # positional
-        index = parameters.names.index("use_cache") - 1  # without self
-        return (*args[:index], False, *args[index + 1:]), kwargs
-    if "use_cache" in parameters.names or parameters.var_keyword is not None:
-        return args, {**kwargs, "use_cache": False}
-    return None
+    return without_cache(class_forward_parameters(type(module)), args, kwargs)
 
 
 def check_splittable(model: nn.Module) -> None:

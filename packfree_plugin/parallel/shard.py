@@ -40,12 +40,6 @@ class SequenceShard:
     def attach(self, local: Boundaries) -> None:
         local.sequence_shard = self
 
-    @staticmethod
-    def of(boundaries: Boundaries | None) -> SequenceShard | None:
-        """The shard ``boundaries`` (a shard's own) belong to, None outside a sequence-parallel forward."""
-        # a plain attribute, not a memo entry: compiled graphs guard on it, and memo dicts grow with every packing
-        return None if boundaries is None else boundaries.sequence_shard
-
     def whole_row(self, length: int) -> Boundaries:
         """The whole row's boundaries for packfree attention over ``length`` tokens (Ulysses gathered the row).
         Raises ``ValueError`` when the attention sees fewer tokens than the row: it would attend over the shard."""
