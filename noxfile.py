@@ -76,17 +76,24 @@ def bench(session: nox.Session) -> None:
 
 
 KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops"]
-MAMBA_SSM = "mamba-ssm==2.3.2.post1"  # Python-only install: its CUDA extensions are skipped, its Triton kernels kept
+PYTHON_ONLY = {
+    # package: the environment that skips its CUDA build (and the prebuilt-wheel lookup, which needs CUDA torch)
+    "mamba-ssm==2.3.2.post1": {"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"},  # Triton kernels kept
+    "causal-conv1d==1.6.1": {"CAUSAL_CONV1D_SKIP_CUDA_BUILD": "TRUE", "CAUSAL_CONV1D_FORCE_BUILD": "TRUE"},
+    "flash-attn==2.8.3": {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"},
+}
+"""Installed without their compiled CUDA code; the kernel test mode runs their Python (tests/kernels/standins.py)."""
 
 
 @nox.session
 def kernels(session: nox.Session) -> None:
-    """packfree's kernel routes against the real fla and mamba-ssm Triton kernels, interpreted on CPU tensors
+    """packfree's kernel routes against the real fla and mamba-ssm Triton kernels, interpreted on CPU tensors, and
+    the real Python of flash-attn, causal-conv1d and torch's varlen_attn over stand-ins for their compiled code
     (tests/README.md); ``nox -s kernels -- -m kernels_smoke tests/kernels`` runs the smoke subset."""
     session.install(TORCH)
     session.install(".", "pytest>=8", "hypothesis>=6.100", "setuptools", "wheel", "packaging", *KERNEL_PACKAGES, TORCH)
-    session.install("--no-build-isolation", "--no-deps", MAMBA_SSM,
-                    env={"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"})
+    for package, env in PYTHON_ONLY.items():
+        session.install("--no-build-isolation", "--no-deps", package, env=env)
     session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests/kernels"]),
                 env={"HYPOTHESIS_PROFILE": "ci"})
 

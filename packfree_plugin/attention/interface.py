@@ -57,8 +57,9 @@ distance or per-token ids only, so stock's mask for a packed row, cut to each sa
 stock's mask for the row, cut to each sample, which attention applies as it is."""
 
 
-def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
-    """Name of the backend that will run this call: the first fused kernel that can, else ``segments``."""
+def choose_backend(query: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
+    """Name of the backend that will run this call (``query [B, H, T, D]``, ``value [B, Hkv, T, Dv]``): the first
+    fused kernel that can, else ``segments``."""
     forced = os.environ.get("PACKFREE_ATTENTION_BACKEND")
     if forced:
         if forced != "segments" and forced not in {backend.name for backend in VARLEN_BACKENDS}:
@@ -66,7 +67,7 @@ def choose_backend(query: torch.Tensor, options: AttentionOptions, *, training: 
         return forced
     if backends.on_cuda(query):
         for backend in VARLEN_BACKENDS:
-            if backend.supports(query, options, training) and backend.available():
+            if backend.supports(query, value, options, training) and backend.available():
                 return backend.name
     return "segments"
 
@@ -139,7 +140,7 @@ def _packed_attention_function(boundaries: Boundaries, query: torch.Tensor, key:
 
 def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: Boundaries,
                  options: AttentionOptions, *, training: bool, backend: str | None) -> torch.Tensor:
-    backend = backend or choose_backend(query, options, training=training)
+    backend = backend or choose_backend(query, value, options, training=training)
     if backend == "segments":
         return segment_attention(query, key, value, boundaries, options, training=training)
     chosen = next(b for b in VARLEN_BACKENDS if b.name == backend)

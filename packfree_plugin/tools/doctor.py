@@ -70,8 +70,10 @@ def _attention_backend(module: nn.Module, config, device: torch.device, dtype: t
     from ..attention import AttentionOptions, choose_backend
 
     heads = getattr(config, "num_attention_heads", 1) or 1
-    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or 64
+    head_dim = (getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
+                or getattr(config, "head_dim", None) or 64)
     query = torch.empty(1, heads, 1, head_dim, device=device, dtype=dtype)
+    value = torch.empty(1, heads, 1, getattr(module, "v_head_dim", None) or head_dim, device=device, dtype=dtype)
     softcap = getattr(config, "attn_logit_softcapping", None)
     sinks = getattr(module, "sinks", None)
     options = AttentionOptions(scale=float(getattr(module, "scaling", 1.0) or 1.0),
@@ -79,7 +81,7 @@ def _attention_backend(module: nn.Module, config, device: torch.device, dtype: t
                                window=getattr(module, "sliding_window", None) or None,
                                softcap=softcap or None, sinks=None if sinks is None else torch.empty(heads),
                                dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0))
-    return choose_backend(query, options, training=True)
+    return choose_backend(query, value, options, training=True)
 
 
 def _running_adapter(cls: type) -> MixerAdapter | None:

@@ -32,6 +32,8 @@ class FakeKernel:
 
     def check_and_compute(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal, window, softcap):
         assert q.ndim == 3 and k.ndim == 3 and v.ndim == 3, "varlen kernels take [total_tokens, H, D]"
+        head_dim = q.shape[-1]  # FlashAttention 2's mha_varlen_fwd: one head dim, a multiple of 8, at most 256
+        assert k.shape[-1] == v.shape[-1] == head_dim and head_dim % 8 == 0 and head_dim <= 256, "head dims"
         assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32, "cu_seqlens must be int32"
         assert cu_q.device == q.device and cu_q.ndim == 1
         assert torch.equal(cu_q, cu_k)
@@ -108,7 +110,7 @@ def test_torch_varlen_gets_cu_seqlens_and_window(monkeypatch, on_cuda, causal: b
     _install_torch_varlen(monkeypatch, kernel)
     q, k, v, boundaries = _inputs()
     options = AttentionOptions(scale=0.4, causal=causal, window=window)
-    assert interface.choose_backend(q, options, training=False) == "torch-varlen"
+    assert interface.choose_backend(q, q, options, training=False) == "torch-varlen"
     out = interface.run_packed_attention(q, k, v, boundaries, options)
     assert kernel.calls[0]["cu"] == [0, 3, 4, 10, 12]
     expected_left = -1 if window is None else window - 1  # flash's convention, causal and bidirectional
@@ -122,7 +124,7 @@ def test_softcap_skips_torch_varlen_and_reaches_flash_attn(monkeypatch, on_cuda)
     _install_flash_attn(monkeypatch, flash_kernel)
     q, k, v, boundaries = _inputs()
     options = AttentionOptions(scale=0.4, causal=True, softcap=2.0, window=3)
-    assert interface.choose_backend(q, options, training=False) == "flash-attn"
+    assert interface.choose_backend(q, q, options, training=False) == "flash-attn"
     out = interface.run_packed_attention(q, k, v, boundaries, options)
     assert not torch_kernel.calls and flash_kernel.calls[0]["softcap"] == 2.0
     assert_close(out, _expected(q, k, v, boundaries, options))
@@ -139,19 +141,42 @@ def test_kernels_hub_is_used_when_flash_attn_is_missing(monkeypatch, on_cuda) ->
     monkeypatch.delattr(torch_varlen_module, "varlen_attn")
     q, k, v, boundaries = _inputs()
     options = AttentionOptions(scale=0.4, causal=True, softcap=1.5)
-    assert interface.choose_backend(q, options, training=False) == "kernels-hub"
+    assert interface.choose_backend(q, q, options, training=False) == "kernels-hub"
     out = interface.run_packed_attention(q, k, v, boundaries, options)
     assert kernel.calls
     assert_close(out, _expected(q, k, v, boundaries, options))
+
+
+@pytest.mark.parametrize(("q_dim", "v_dim"), [(12, 12), (24, 16), (16, 24)], ids=["dim12", "mla", "wide-v"])
+@pytest.mark.parametrize("backend", ["torch-varlen", "flash-attn"])
+def test_head_dims_are_padded_to_one_the_kernel_takes(monkeypatch, on_cuda, backend: str, q_dim: int, v_dim: int) -> None:
+    """q/k and v heads that differ (MLA) or are not a multiple of 8 reach the kernel zero-padded to one head dim;
+    the output is cropped back to v's and equals the samples' attention."""
+    kernel = FakeKernel()
+    {"torch-varlen": _install_torch_varlen, "flash-attn": _install_flash_attn}[backend](monkeypatch, kernel)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v, boundaries = _inputs()
+    q, k = (torch.randn(*t.shape[:3], q_dim, generator=generator, dtype=torch.float64) for t in (q, k))
+    v = torch.randn(*v.shape[:3], v_dim, generator=generator, dtype=torch.float64)
+    options = AttentionOptions(scale=q_dim**-0.5, causal=True)
+    out = interface.run_packed_attention(q, k, v, boundaries, options, backend=backend)
+    assert kernel.calls and out.shape[-1] == v_dim
+    assert_close(out, _expected(q, k, v, boundaries, options))
+
+
+def test_heads_over_256_take_the_portable_path(monkeypatch, on_cuda) -> None:
+    _install_flash_attn(monkeypatch, FakeKernel())
+    q = torch.zeros(1, 4, 8, 264, dtype=torch.float16)
+    assert interface.choose_backend(q, q, AttentionOptions(scale=0.1, causal=True), training=False) == "segments"
 
 
 def test_sinks_and_float32_take_the_portable_path(monkeypatch, on_cuda) -> None:
     _install_flash_attn(monkeypatch, FakeKernel())
     q, _, _, _ = _inputs()
     sinks = AttentionOptions(scale=0.4, causal=True, sinks=torch.zeros(4))
-    assert interface.choose_backend(q, sinks, training=False) == "segments"
+    assert interface.choose_backend(q, q, sinks, training=False) == "segments"
     monkeypatch.setattr(varlen, "_HALF_DTYPES", (torch.float16, torch.bfloat16))
-    assert interface.choose_backend(q, AttentionOptions(scale=0.4, causal=True), training=False) == "segments"
+    assert interface.choose_backend(q, q, AttentionOptions(scale=0.4, causal=True), training=False) == "segments"
 
 
 def test_padding_segments_are_zeroed_by_fused_backends(monkeypatch, on_cuda) -> None:
@@ -170,7 +195,7 @@ def test_forced_backend_must_exist(monkeypatch) -> None:
     monkeypatch.setenv("PACKFREE_ATTENTION_BACKEND", "nonsense")
     q, _, _, _ = _inputs()
     with pytest.raises(ValueError, match="not a packfree attention backend"):
-        interface.choose_backend(q, AttentionOptions(scale=1.0, causal=True), training=False)
+        interface.choose_backend(q, q, AttentionOptions(scale=1.0, causal=True), training=False)
 
 
 def test_unknown_tensor_arguments_are_refused_not_ignored() -> None:

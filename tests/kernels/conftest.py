@@ -29,14 +29,14 @@ from typing import Any
 import pytest
 import torch
 
-KERNEL_PACKAGES = ("triton", "fla", "mamba_ssm")
+KERNEL_PACKAGES = ("triton", "fla", "mamba_ssm", "flash_attn", "causal_conv1d")
 MISSING = [name for name in KERNEL_PACKAGES if importlib.util.find_spec(name) is None]
 
 if MISSING:
     collect_ignore_glob = ["test_real_*.py"]
 else:
     os.environ["TRITON_INTERPRET"] = "1"
-    already = [name for name in ("fla", "mamba_ssm") if name in sys.modules]
+    already = [name for name in ("fla", "mamba_ssm", "flash_attn", "causal_conv1d") if name in sys.modules]
     if already:
         raise RuntimeError(f"{already} imported before the kernel test mode set TRITON_INTERPRET=1")
 
@@ -102,6 +102,10 @@ else:
         return _device_properties(device)
 
     torch.cuda.get_device_properties = _cpu_as_h100
+
+    from . import standins
+
+    standins.install()
 
     import fla.ops.gated_delta_rule  # noqa: F401  (decorated now, under the interpreter)
     import fla.ops.kda  # noqa: F401

@@ -1,10 +1,11 @@
 """The contract fakes of the CUDA-only kernels take exactly the real functions' parameters (name, kind, default).
 
-Where the real wrapper imports here (torch's ``varlen_attn``; flash-attn / causal-conv1d on a CUDA machine), the fake
-is compared with it. Where it cannot (flash-attn and causal-conv1d need their compiled CUDA extensions; kernels-hub
-builds come from the hub), the fake is compared with the signature recorded below from the packages' source for the
-versions the ``cuda`` extra allows, and an installed package is compared with that record too: a release that
-renames, reorders or re-defaults a parameter fails here. Runs in the default suite (no kernel package needed).
+Where the real wrapper imports here (torch's ``varlen_attn``; flash-attn / causal-conv1d on a CUDA machine, or in the
+kernel test mode, where they are installed without their compiled code), the fake is compared with it. Where it
+cannot (the default suite has neither package; kernels-hub builds come from the hub), the fake is compared with the
+signature recorded below from the packages' source for the versions the ``cuda`` extra allows, and an installed
+package is compared with that record too (``test_real_wrappers.py`` insists it imports): a release that renames,
+reorders or re-defaults a parameter fails here. Runs in the default suite (no kernel package needed).
 """
 
 from __future__ import annotations
