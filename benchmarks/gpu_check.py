@@ -261,6 +261,10 @@ STOCK_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3 head_dim=256, causal window 512": (
         "gemma3_text", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=256, sliding_window=512, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3 MLA, q/k heads 192, v heads 128": (
+        "deepseek_v3", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4,
+                            q_lora_rank=None, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                            v_head_dim=128, first_k_dense_replace=2)),
     "modernbert bidirectional window 128": (
         "modernbert", dict(hidden_size=512, intermediate_size=768, num_attention_heads=8, local_attention=128,
                            layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
