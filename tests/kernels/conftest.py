@@ -9,8 +9,10 @@ Everything that makes this work lives here, never in the package:
   loop index, which the interpreter otherwise yields as a Python int);
 - a stand-in ``selective_scan_cuda`` module (mamba-ssm imports the compiled extension at import time; no routed
   function calls it) and ``torch.cuda.device(None)`` as a no-op (mamba-ssm enters it with the CPU's index, None);
-- per test (autouse): ``backends.on_cuda`` answers True, so every op picks its kernel as on a GPU, and packed
-  attention is pinned to packfree's portable backend (the CUDA-only attention kernels do not run on the CPU).
+- stand-ins for the compiled code of flash-attn, causal-conv1d and torch's ``varlen_attn`` (``standins.py``), so
+  their real Python wrappers run on CPU tensors;
+- per test (autouse): ``backends.on_cuda`` answers True, so every op and packed attention pick their kernels as on
+  a GPU.
 
 When triton, fla or mamba-ssm is not installed (the default suite), the ``test_real_*`` files are not collected:
 ``nox -s kernels`` installs them and runs this folder.
@@ -118,11 +120,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def kernel_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every tensor counts as CUDA for packfree's kernel choice; attention stays on the portable backend."""
+    """Every tensor counts as CUDA for packfree's kernel choice (ops and packed attention alike)."""
     from packfree_plugin import backends
 
     monkeypatch.setattr(backends, "on_cuda", lambda tensor: True)
-    monkeypatch.setenv("PACKFREE_ATTENTION_BACKEND", "segments")
+    monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND", raising=False)
     backends.load_kernel.cache_clear()
     yield
     backends.load_kernel.cache_clear()

@@ -101,9 +101,8 @@ ROUTES = [(backend, case) for backend in ATTENTION_KERNELS for case in CASES
 
 
 @pytest.mark.parametrize(("backend", "case"), ROUTES)
-def test_packed_attention_through_the_real_wrapper(spy, monkeypatch, backend, case):
+def test_packed_attention_through_the_real_wrapper(spy, backend, case):
     q_dim, v_dim, options = CASES[case]
-    monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND")
     calls = spy(*ATTENTION_KERNELS[backend])
     q, k, v = attention_inputs(q_dim, v_dim)
     boundaries = boundaries_of(ROWS)
@@ -124,9 +123,8 @@ def test_packed_attention_through_the_real_wrapper(spy, monkeypatch, backend, ca
 
 
 @pytest.mark.parametrize("backend", list(ATTENTION_KERNELS))
-def test_planted_wrong_cu_seqlens_fails(spy, monkeypatch, backend):
+def test_planted_wrong_cu_seqlens_fails(spy, backend):
     """A kernel handed shifted boundaries (the first sample one token longer) disagrees with the samples."""
-    monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND")
     calls = spy(*ATTENTION_KERNELS[backend])
     q, k, v = (t.detach() for t in attention_inputs(16, 16))
     options = CASES["gqa-causal"][2]
@@ -138,10 +136,9 @@ def test_planted_wrong_cu_seqlens_fails(spy, monkeypatch, backend):
 
 
 @pytest.mark.parametrize("backend", list(ATTENTION_KERNELS))
-def test_heads_wider_than_flash_takes_the_portable_path(spy, monkeypatch, backend):
+def test_heads_wider_than_flash_takes_the_portable_path(spy, backend):
     """FlashAttention 2 refuses head dims over 256: auto picks the portable path (no kernel call, exact); forcing
     the kernel shows the compiled code's own refusal."""
-    monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND")
     calls = spy(*ATTENTION_KERNELS[backend])
     q, k, v = (t.detach() for t in attention_inputs(264, 264))
     options = AttentionOptions(scale=264 ** -0.5, causal=True)
@@ -255,10 +252,9 @@ MODELS = {
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))
-def test_whole_model_packed_equals_each_sample_alone(spy, monkeypatch, model_type):
+def test_whole_model_packed_equals_each_sample_alone(spy, model_type):
     """One packed row (position_ids restart per sample) through the model's own layers into the real wrapper:
     logits, the summed per-sample loss and every parameter's gradient equal stock float64 on each sample alone."""
-    monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND")
     backend = MODELS[model_type]
     calls = spy(*ATTENTION_KERNELS[backend])
     model, stock = attention_pair(model_type)
