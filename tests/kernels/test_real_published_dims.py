@@ -18,6 +18,8 @@ from transformers import KimiLinearConfig
 from packfree_plugin.ops.gated_delta import chunk_gated_delta_rule, chunk_kda, naive_gated_delta_rule, naive_kda
 from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan
 
+from .test_real_fla import close, cu_of
+
 PUBLISHED = Path(__file__).parents[1] / "gate" / "published"
 
 
@@ -35,17 +37,6 @@ DELTA_RULES = {
     "gdn-K256": (chunk_gated_delta_rule, naive_gated_delta_rule, 256, 256, False),  # the widest fla takes
     "kda-kimi-linear": (chunk_kda, naive_kda, KIMI.linear_head_dim, KIMI.linear_head_dim, True),
 }
-
-
-def cu_of(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, tol: float) -> None:
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    scale = max(1.0, expected.abs().max().item())
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= tol * scale, f"{what}: max error {error:.3e} > {tol * scale:.3e}"
 
 
 def each_alone(naive, inputs: list[torch.Tensor], lengths: list[int], **kwargs) -> torch.Tensor:

@@ -18,6 +18,8 @@ from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.ops.conv import causal_conv1d
 
+from .test_real_fla import close
+
 ATTENTION_KERNELS = {"flash-attn": ("flash_attn", "flash_attn_varlen_func"),
                      "torch-varlen": ("torch.nn.attention.varlen", "varlen_attn")}
 ROWS = [[(1, False), (9, False), (4, False), (2, True)], [(12, False), (3, False), (1, True)]]
@@ -76,13 +78,6 @@ def attention_inputs(q_dim: int, v_dim: int, *, heads: int = 4, kv_heads: int = 
         return torch.randn(*shape, generator=gen).to(HALF).requires_grad_()
 
     return leaf(batch, heads, seq_len, q_dim), leaf(batch, kv_heads, seq_len, q_dim), leaf(batch, kv_heads, seq_len, v_dim)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, tol: float) -> None:
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    scale = max(1.0, expected.abs().max().item())
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= tol * scale, f"{what}: max error {error:.3e} > {tol * scale:.3e}"
 
 
 CASES = {
