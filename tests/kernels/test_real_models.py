@@ -60,18 +60,21 @@ GDN = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 KDA = ("fla.ops.kda", "chunk_kda")
 SSD = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 FAMILIES: dict[str, Family] = {
-    # fla's chunk is 64 tokens: the 70-token sample crosses it, the 5-token one starts in the packed row's second
-    # chunk. Qwen3-Next: two value heads on one key head (packfree repeats the key heads for fla).
+    # fla chunks each sample in 64 tokens: the 70-token one spans two chunks. Qwen3-Next: two value heads on one
+    # key head (packfree repeats the key heads for fla).
     "qwen3_next": Family(GDN, "cu_seqlens", torch.float16, (1, 70, 5), 1, None,
                          dict(mlp_only_layers=[0, 1], linear_num_value_heads=2, linear_num_key_heads=1), 1e-2,
                          (3, 9, 4)),
     "kimi_linear": Family(KDA, "cu_seqlens", torch.float16, (1, 66, 3), 1, None,
                           dict(mlp_layer_types=["dense", "dense"], linear_num_heads=1), 1e-2, (3, 9, 4)),
-    # SSD chunks of 16 tokens; B = 2 rows of 21 tokens: [1, 20] and [17, padding 4]
+    # SSD chunks of 16 tokens; B = 2 rows of 21 tokens, [1, 20] and [17, padding 4]: both long samples cross a chunk
+    # start. Bamba: one Mamba2 layer, one attention layer.
     "mamba2": Family(SSD, "seq_idx", torch.float32, (1, 20, 17), 2, 21,
-                     dict(num_hidden_layers=1, expand=1, num_heads=2, head_dim=32, state_size=8, chunk_size=16), 1e-4, (1, 17, 6)),
+                     dict(num_hidden_layers=1, expand=1, num_heads=2, head_dim=32, state_size=8, chunk_size=16),
+                     1e-4, (1, 17, 6)),
     "bamba": Family(SSD, "seq_idx", torch.float32, (1, 20, 17), 2, 21,
-                    dict(mamba_expand=1, mamba_n_heads=2, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=16), 1e-4, (1, 17, 6)),
+                    dict(mamba_expand=1, mamba_n_heads=2, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=16),
+                    1e-4, (1, 17, 6)),
 }
 GRAD_FLOOR = 1e-3
 MIXERS = {*GATED_DELTA.class_names, *KIMI_DELTA.class_names, *MAMBA2.class_names}
@@ -92,9 +95,10 @@ def samples_of(lengths: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.randint(3, 128, (n,), generator=generator) for n in lengths]
 
 
-def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of ``logits [n, V]`` predicting ``ids[1:]`` (0 for a one-token sample), in float64."""
-    return F.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum")
+def sample_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (float64) of ``logits [n, V]`` predicting the sample's next token, its last token the
+    sample's first (so that every token, a one-token sample's too, reaches the gradients)."""
+    return F.cross_entropy(logits.double(), ids.roll(-1), reduction="sum")
 
 
 def gradients(model: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -130,7 +134,7 @@ def run_packed(model: PreTrainedModel, samples: list[torch.Tensor], rows: int = 
         for i in indices:
             pieces[i] = logits[row, start : start + len(samples[i])]
             start += len(samples[i])
-    loss = sum(next_token_loss(piece, ids) for piece, ids in zip(pieces, samples))
+    loss = sum(sample_loss(piece, ids) for piece, ids in zip(pieces, samples))
     if backward:
         loss.backward()
     return Run([p.detach().double() for p in pieces], loss.detach(), gradients(model) if backward else {})
@@ -142,11 +146,11 @@ def run_each_alone(model: PreTrainedModel, samples: list[torch.Tensor], *, backw
     logits, loss = [], torch.zeros((), dtype=torch.float64)
     for ids in samples:
         out = model(input_ids=ids[None], use_cache=False).logits[0]
-        sample_loss = next_token_loss(out, ids)
+        loss_of_sample = sample_loss(out, ids)
         if backward:
-            sample_loss.backward()  # accumulates into .grad: the sum over samples
+            loss_of_sample.backward()  # accumulates into .grad: the sum over samples
         logits.append(out.detach().double())
-        loss = loss + sample_loss.detach()
+        loss = loss + loss_of_sample.detach()
     return Run(logits, loss, gradients(model) if backward else {})
 
 
@@ -234,9 +238,17 @@ def assert_matches(actual: Run, expected: Run, what: str, *, tol: float) -> dict
 
 
 def handed_boundaries(calls: list[tuple[tuple, dict]], family: Family) -> list[list[int] | None]:
-    """The boundary argument of each recorded kernel call, flattened."""
-    return [None if kwargs.get(family.boundary) is None else kwargs[family.boundary].flatten().tolist()
-            for _, kwargs in calls]
+    """The boundary argument of each recorded kernel call, flattened, after checking the form its kernel loads:
+    int32 (both kernels read it as int32), contiguous, on the data's device."""
+    handed = []
+    for args, kwargs in calls:
+        boundary = kwargs.get(family.boundary)
+        if boundary is not None:
+            assert boundary.dtype == torch.int32 and boundary.is_contiguous() and boundary.device == args[0].device, \
+                f"{family.boundary}: {boundary.dtype}, contiguous {boundary.is_contiguous()}, on {boundary.device}"
+            boundary = boundary.flatten().tolist()
+        handed.append(boundary)
+    return handed
 
 
 def batch_boundaries(family: Family, batch: dict[str, Any]) -> list[int]:
@@ -247,6 +259,8 @@ def batch_boundaries(family: Family, batch: dict[str, Any]) -> list[int]:
 @pytest.mark.parametrize("model_type", [pytest.param("qwen3_next", marks=pytest.mark.kernels_smoke),
                                         *list(FAMILIES)[1:]])
 def test_packed_model_equals_each_sample_alone_and_float64(spy, model_type):
+    """Forward and backward of the packed batch through the real kernel, against (a) and (b) of the module
+    docstring; the kernel is called once per mixer layer with the batch's boundaries, and never in (a) or (b)."""
     family = FAMILIES[model_type]
     samples = samples_of(family.lengths)
     model = kernel_model(model_type)
@@ -280,7 +294,9 @@ def _shift_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([seq_idx[:, :1], seq_idx[:, :-1]], dim=1).contiguous()
 
 
-PLANTED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"cu_seqlens": _shift_cu_seqlens, "seq_idx": _shift_seq_idx}
+PLANTED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"cu_seqlens": _shift_cu_seqlens,
+                                                              "seq_idx": _shift_seq_idx}
+"""Kernel keyword -> its planted wrong value."""
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
