@@ -61,8 +61,9 @@ KDA = ("fla.ops.kda", "chunk_kda")
 SSD = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 FAMILIES: dict[str, Family] = {
     # fla chunks each sample in 64 tokens: the 70-token one spans two chunks. Qwen3-Next: two value heads on one
-    # key head (packfree repeats the key heads for fla).
-    "qwen3_next": Family(GDN, "cu_seqlens", torch.float16, (1, 70, 5), 1, None,
+    # key head (packfree repeats the key heads for fla); B = 2 rows of 71 tokens, [1, 70] and [5, padding 66],
+    # which packfree hands fla as one row of four segments.
+    "qwen3_next": Family(GDN, "cu_seqlens", torch.float16, (1, 70, 5), 2, 71,
                          dict(mlp_only_layers=[0, 1], linear_num_value_heads=2, linear_num_key_heads=1), 1e-2,
                          (3, 9, 4)),
     "kimi_linear": Family(KDA, "cu_seqlens", torch.float16, (1, 66, 3), 1, None,
