@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import PreTrainedModel
+from triton.runtime import interpreter
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -238,6 +239,21 @@ def assert_matches(actual: Run, expected: Run, what: str, *, tol: float) -> dict
     return {kind: error for kind, (error, _) in worst.items()}
 
 
+@contextlib.contextmanager
+def triton_launches() -> Iterator[list[str]]:
+    """The names of the Triton kernels launched (under the interpreter) inside the block."""
+    launched: list[str] = []
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self: interpreter.GridExecutor, *args: Any, **kwargs: Any) -> Any:
+        launched.append(self.fn.__name__)
+        return launch(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.GridExecutor, "__call__", counted)
+        yield launched
+
+
 def handed_boundaries(calls: list[tuple[tuple, dict]], family: Family) -> list[list[int] | None]:
     """The boundary argument of each recorded kernel call, flattened, after checking the form its kernel loads:
     int32 (both kernels read it as int32), contiguous, on the data's device."""
@@ -275,8 +291,12 @@ def test_packed_model_equals_each_sample_alone_and_float64(spy, model_type):
         "the packed run did not hand the real kernel the batch's boundaries"
 
     calls.calls.clear()
-    alone = run_each_alone(model.eval(), samples)  # eval: stock's fused Mamba2 kernel needs CUDA's conv
-    expected = reference(model_type, family.lengths, True)
+    with triton_launches() as launched:
+        alone = run_each_alone(model.eval(), samples)  # eval: stock's fused Mamba2 kernel needs CUDA's conv
+    assert launched, "the samples alone ran no Triton kernel"
+    with triton_launches() as launched:
+        expected = reference(model_type, family.lengths, True)
+    assert not launched, f"the float64 reference ran Triton kernels: {sorted(set(launched))}"
     assert not calls.calls, "a plain one-sample call or the float64 reference went through packfree's kernel route"
     errors_alone = assert_matches(packed, alone, f"{model_type}: packed vs each sample alone", tol=family.tol)
     errors_reference = assert_matches(packed, expected, f"{model_type}: packed vs float64", tol=family.tol)
