@@ -308,6 +308,22 @@ def check_coverage(model: nn.Module) -> None:
     if unknown:
         raise ValueError(
             f"packfree has no boundary adapter for {', '.join(sorted(unknown))}: these layers carry information "
-            "along the sequence and would mix packed samples. Register a MixerAdapter for them "
-            "(packfree_plugin.adapters.entry) or load the model without packfree"
+            "along the sequence and would mix packed samples. " + _shadowed_class_note(model)
+            + "Register a MixerAdapter for them (packfree_plugin.adapters.entry) or load the model without packfree"
         )
+
+
+def _shadowed_class_note(model: nn.Module) -> str:
+    """Why a model of a transformers type may not be transformers' own: another library registered its class for
+    that type with the Auto classes (importing fla does so for ``mamba``, ``mamba2`` and ``bitnet``)."""
+    import transformers
+
+    cls = type(model)
+    library = cls.__module__.split(".")[0]
+    if library == "transformers" or not hasattr(transformers, cls.__name__):
+        return ""
+    head = f" or, for the causal LM, transformers.{cls.__name__[:-5]}ForCausalLM" if cls.__name__.endswith("Model") else ""
+    return (f"This {cls.__name__} is {library}'s ({cls.__module__}), not transformers': {library} registered its "
+            f"classes for this model type with transformers' Auto classes when it was imported, and packfree adapts "
+            f"transformers' own. Build the model with transformers.{cls.__name__}{head} directly "
+            f"(its from_pretrained takes the same arguments). ")

@@ -82,3 +82,26 @@ def test_unknown_sequence_mixer_is_refused_at_load() -> None:
 
     with pytest.raises(ValueError, match="MysteryMixer"):
         check_coverage(torch.nn.Sequential(MysteryMixer()))
+
+
+def test_a_transformers_type_built_by_another_library_is_named_in_the_refusal() -> None:
+    """Importing fla registers fla's own Mamba2ForCausalLM for ``mamba2`` with transformers' Auto classes (seen in
+    the kernel test mode); packfree refuses its layers and says whose class it is and which one to load instead."""
+    from packfree_plugin.adapters.mixers import check_coverage
+
+    class Mamba2(torch.nn.Module):  # fla's layer name
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1d = torch.nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+    class Mamba2ForCausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = Mamba2()
+
+    Mamba2ForCausalLM.__module__ = "otherlib.models.mamba2.modeling_mamba2"
+    with pytest.raises(ValueError, match=r"otherlib's .*Build the model with transformers\.Mamba2ForCausalLM directly"):
+        check_coverage(Mamba2ForCausalLM())
+    with pytest.raises(ValueError) as plain:
+        check_coverage(torch.nn.Sequential(Mamba2()))
+    assert "Build the model with" not in str(plain.value)

@@ -70,12 +70,14 @@ FAMILIES: dict[str, Family] = {
     "kimi_linear": Family(KDA, "cu_seqlens", torch.float16, (1, 66, 3), 1, None,
                           dict(mlp_layer_types=["dense", "dense"], linear_num_heads=1), 1e-2, (3, 9, 4)),
     # SSD chunks of 16 tokens; B = 2 rows of 21 tokens, [1, 20] and [17, padding 4]: both long samples cross a chunk
-    # start. Bamba: one Mamba2 layer, one attention layer.
+    # start. Bamba: one Mamba2 layer, one attention layer. Eight heads: the in-projection's width (2 * 64 + 2 * 8
+    # + heads) is then a multiple of 8, as in published checkpoints; stock hands causal-conv1d a channel-last view of
+    # it, which the compiled code refuses otherwise (the samples alone run stock's layers).
     "mamba2": Family(SSD, "seq_idx", torch.float32, (1, 20, 17), 2, 21,
-                     dict(num_hidden_layers=1, expand=1, num_heads=2, head_dim=32, state_size=8, chunk_size=16),
+                     dict(num_hidden_layers=1, expand=1, num_heads=8, head_dim=8, state_size=8, chunk_size=16),
                      1e-4, (1, 17, 6)),
     "bamba": Family(SSD, "seq_idx", torch.float32, (1, 20, 17), 2, 21,
-                    dict(mamba_expand=1, mamba_n_heads=2, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=16),
+                    dict(mamba_expand=1, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16),
                     1e-4, (1, 17, 6)),
 }
 GRAD_FLOOR = 1e-3
@@ -348,3 +350,20 @@ def test_planted_wrong_kernel_boundaries_fail(monkeypatch, model_type):
     with pytest.raises(AssertionError, match="logits off by") as failure:
         assert_matches(wrong, expected, f"{family.boundary} shifted", tol=family.tol)
     print(f"\n{model_type}: {failure.value.args[0].splitlines()[0]}")
+
+
+def test_fla_s_own_mamba2_class_is_named_in_the_refusal(tmp_path):
+    """Importing fla (as this mode does, and as transformers' Qwen3-Next modeling does where fla is installed)
+    registers fla's own Mamba2ForCausalLM for ``mamba2`` with transformers' Auto classes. packfree cannot adapt
+    fla's layers: the refusal says whose class it is and names transformers' class, which loads."""
+    import fla  # noqa: F401
+    from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
+
+    packfree_plugin.register()
+    config = Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=8, head_dim=8, state_size=8,
+                          n_groups=1, expand=2)  # transformers' (AutoConfig gives fla's config too)
+    Mamba2ForCausalLM(config).save_pretrained(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__module__.startswith("fla.")
+    with pytest.raises(ValueError, match=r"fla's \(fla\.models.*transformers\.Mamba2ForCausalLM directly"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="packfree")
+    assert type(Mamba2ForCausalLM.from_pretrained(tmp_path, attn_implementation="packfree")) is Mamba2ForCausalLM
