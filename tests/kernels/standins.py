@@ -127,7 +127,7 @@ def varlen_gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor
     return pullback(dout.float())  # torch.func: autograd's dispatch keys are off inside a custom op
 
 
-def flash_attn_2_cuda() -> types.ModuleType:
+def flash_attn_2_cuda() -> types.SimpleNamespace:
     """The ``flash_attn_2_cuda`` entry points ``flash_attn_varlen_func`` reaches: ``varlen_fwd``, ``varlen_bwd``."""
 
     def varlen_fwd(q, k, v, out_, cu_q, cu_k, seqused_k, leftpad_k, block_table, alibi_slopes, max_q, max_k,
@@ -236,7 +236,7 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor 
     return F.silu(out) if silu else out
 
 
-def causal_conv1d_cuda() -> types.ModuleType:
+def causal_conv1d_cuda() -> types.SimpleNamespace:
     """The ``causal_conv1d_cuda`` entry points ``causal_conv1d_fn`` reaches: ``causal_conv1d_fwd`` / ``_bwd``."""
 
     def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu):
