@@ -96,12 +96,22 @@ def test_a_config_stock_runs_but_none_of_whose_copies_it_runs_is_packfrees_limit
 
 def test_published_types_stock_cannot_build_or_run_by_default_are_the_configs_reason() -> None:
     """LFM2-MoE's default config has no ``layer_types`` (stock cannot build it); Llama-4's multimodal class raises
-    on every forward in this transformers (its output has no ``image_outputs``): measured on the config itself."""
+    on every forward in transformers 5.24 (its output has no ``image_outputs``): measured on the config itself.
+    Where stock's tiny Llama-4 runs (5.20), the gate proves it exact instead."""
     lfm2 = _gate_on(transformers.Lfm2MoeModel, lambda: AutoConfig.for_model("lfm2_moe"))
     assert lfm2 == ("config: stock raises it on the config itself, as on its tiny copy: TypeError: 'NoneType' object "
                     "is not subscriptable")
     llama4 = _gate_on(transformers.Llama4ForConditionalGeneration, lambda: AutoConfig.for_model("llama4"))
-    assert llama4.startswith("config: stock raises it on the config itself") and "image_outputs" in llama4
+    stock = transformers.Llama4ForConditionalGeneration._from_config(shrink_config(AutoConfig.for_model("llama4")),
+                                                                     attn_implementation="sdpa").eval()
+    try:
+        with torch.no_grad():
+            stock(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    except AttributeError as error:
+        assert "image_outputs" in str(error)
+        assert llama4.startswith("config: stock raises it on the config itself") and "image_outputs" in llama4
+    else:
+        assert llama4 == "exact"
 
 
 def test_an_xmod_config_without_a_default_language_is_proved_on_a_copy_that_has_one() -> None:

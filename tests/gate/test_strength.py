@@ -4,6 +4,8 @@ know runs as stock does."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
@@ -69,8 +71,13 @@ class OwnCacheLlama(LlamaForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, cache: OwnCache | None = None, **kwargs):
         kwargs.pop("use_cache", None)
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask,
-                               cache=None if cache is None else cache.inner, use_cache=cache is not None, **kwargs)
+        inner = {_CACHE_ARGUMENT: None if cache is None else cache.inner}
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=cache is not None,
+                               **inner, **kwargs)
+
+
+_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+"""What transformers' forward calls its cache (``cache`` in 5.24, ``past_key_values`` before)."""
 
 
 def test_unpacked_decoding_with_an_unknown_cache_class_equals_stock() -> None:
