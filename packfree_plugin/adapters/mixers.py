@@ -322,7 +322,8 @@ def _shadowed_class_note(model: nn.Module) -> str:
     library = cls.__module__.split(".")[0]
     if library == "transformers" or not hasattr(transformers, cls.__name__):
         return ""
-    head = f" or, for the causal LM, transformers.{cls.__name__[:-5]}ForCausalLM" if cls.__name__.endswith("Model") else ""
+    stem = cls.__name__.removesuffix("Model")
+    head = f" or, for the causal LM, transformers.{stem}ForCausalLM" if stem != cls.__name__ else ""
     return (f"This {cls.__name__} is {library}'s ({cls.__module__}), not transformers': {library} registered its "
             f"classes for this model type with transformers' Auto classes when it was imported, and packfree adapts "
             f"transformers' own. Build the model with transformers.{cls.__name__}{head} directly "

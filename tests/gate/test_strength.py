@@ -66,6 +66,10 @@ class OwnCache:
         self.inner = DynamicCache()
 
 
+_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+"""What transformers' forward calls its cache (``cache`` in 5.24, ``past_key_values`` before)."""
+
+
 class OwnCacheLlama(LlamaForCausalLM):
     """A remote-code class that takes its own cache object as ``cache``."""
 
@@ -75,9 +79,6 @@ class OwnCacheLlama(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=cache is not None,
                                **inner, **kwargs)
 
-
-_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-"""What transformers' forward calls its cache (``cache`` in 5.24, ``past_key_values`` before)."""
 
 
 def test_unpacked_decoding_with_an_unknown_cache_class_equals_stock() -> None:

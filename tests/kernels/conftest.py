@@ -38,9 +38,9 @@ if MISSING:
     collect_ignore_glob = ["test_real_*.py"]
 else:
     os.environ["TRITON_INTERPRET"] = "1"
-    already = [name for name in ("fla", "mamba_ssm", "flash_attn", "causal_conv1d") if name in sys.modules]
+    already = [name for name in KERNEL_PACKAGES if name != "triton" and name in sys.modules]
     if already:
-        raise RuntimeError(f"{already} imported before the kernel test mode set TRITON_INTERPRET=1")
+        raise RuntimeError(f"{already} imported before the kernel test mode set TRITON_INTERPRET=1 and its stand-ins")
 
     import numpy as np
     import triton.language as tl

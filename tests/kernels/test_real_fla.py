@@ -35,6 +35,17 @@ def cu_of(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def boundaries_of(rows: list[list[tuple[int, bool]]]) -> Boundaries:
+    """Rows of equal length, each a list of ``(length, is_padding)`` spans."""
+    offsets, padding = [0], []
+    for row in rows:
+        for length, pad in row:
+            offsets.append(offsets[-1] + length)
+            padding.append(pad)
+    return Boundaries(offsets, batch_size=len(rows), seq_len=sum(n for n, _ in rows[0]), device="cpu",
+                      padding=padding)
+
+
 def make_inputs(tokens: int, *, per_channel: bool, seed: int = 0, rows: int = 1) -> dict[str, torch.Tensor]:
     """float16 leaves ``q, k [rows, T, H, K]``, ``v [rows, T, H, V]``, ``g`` (log decay), ``beta [rows, T, H]``."""
     gen = torch.Generator().manual_seed(seed)
@@ -119,13 +130,8 @@ def test_rows_with_padding_through_the_mixer_route(spy, family):
     _, naive, (module, attr), per_channel, route = FAMILIES[family]
     calls = spy(module, attr)
     seq_len = 40
-    rows = [[(3, False), (30, False), (7, True)], [(1, False), (20, False), (19, True)]]
-    offsets = [0]
-    for row in rows:
-        for length, _ in row:
-            offsets.append(offsets[-1] + length)
-    padding = [pad for row in rows for _, pad in row]
-    boundaries = Boundaries(offsets, batch_size=2, seq_len=seq_len, device="cpu", padding=padding)
+    boundaries = boundaries_of([[(3, False), (30, False), (7, True)], [(1, False), (20, False), (19, True)]])
+    offsets = list(boundaries.offsets)
     x = make_inputs(seq_len, per_channel=per_channel, rows=2, seed=3)
     out = opaque.call(route, boundaries, *x.values(), scale=None, use_qk_l2norm_in_kernel=True)
     args, kwargs = calls.only()

@@ -12,8 +12,9 @@ import torch
 
 import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer routes)
 from packfree_plugin import opaque
-from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan
+
+from .test_real_fla import boundaries_of, close
 
 KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 H, P, G, N = 4, 8, 2, 8
@@ -50,13 +51,6 @@ OPTIONS = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
 
 def run(fn, x: dict, **kwargs) -> torch.Tensor:
     return fn(x["x"], x["dt"], x["A"], x["B"], x["C"], D=x["D"], z=x["z"], dt_bias=x["dt_bias"], **OPTIONS, **kwargs)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, tol: float) -> None:
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    scale = max(1.0, expected.abs().max().item())
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= tol * scale, f"{what}: max error {error:.3e} > {tol * scale:.3e}"
 
 
 def as_float64(x: dict) -> dict:
@@ -99,13 +93,7 @@ def test_packed_rows_equal_each_sample_alone_and_naive(spy):
 def test_padding_spans_through_the_mixer_route(spy):
     calls = spy(*KERNEL)
     seq_len = 40
-    rows = [[(3, False), (30, False), (7, True)], [(1, False), (20, False), (19, True)]]
-    offsets, padding = [0], []
-    for row in rows:
-        for length, pad in row:
-            offsets.append(offsets[-1] + length)
-            padding.append(pad)
-    boundaries = Boundaries(offsets, batch_size=2, seq_len=seq_len, device="cpu", padding=padding)
+    boundaries = boundaries_of([[(3, False), (30, False), (7, True)], [(1, False), (20, False), (19, True)]])
     x = make_inputs(2, seq_len, seed=4)
     y = opaque.call("packfree.ssd_chunk_scan", boundaries, x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], x["z"],
                     x["dt_bias"], chunk_size=CHUNK, dt_softplus=True, dt_limit=[0.0, math.inf])

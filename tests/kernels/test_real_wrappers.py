@@ -15,26 +15,15 @@ import torch.nn.functional as F
 
 from packfree_plugin.attention import interface
 from packfree_plugin.attention.reference import AttentionOptions
-from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.ops.conv import causal_conv1d
 
-from .test_real_fla import close
+from .test_real_fla import boundaries_of, close
 
 ATTENTION_KERNELS = {"flash-attn": ("flash_attn", "flash_attn_varlen_func"),
                      "torch-varlen": ("torch.nn.attention.varlen", "varlen_attn")}
 ROWS = [[(1, False), (9, False), (4, False), (2, True)], [(12, False), (3, False), (1, True)]]
 """Two rows of 16 tokens: samples (a one-token one first) and padding spans (True)."""
 HALF = torch.float16
-
-
-def boundaries_of(rows: list[list[tuple[int, bool]]]) -> Boundaries:
-    offsets, padding = [0], []
-    for row in rows:
-        for length, pad in row:
-            offsets.append(offsets[-1] + length)
-            padding.append(pad)
-    return Boundaries(offsets, batch_size=len(rows), seq_len=sum(n for n, _ in rows[0]), device="cpu",
-                      padding=padding)
 
 
 def spans(rows: list[list[tuple[int, bool]]]):
