@@ -29,11 +29,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .admission import VERIFIED_FILE
 
 __all__ = ["GATE_CHECKS_FILE", "HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_gate_checks", "render_matrix",
-           "run_target", "targets"]
+           "run_target", "targets", "tiny_target"]
 
 MATRIX_FILE = Path(__file__).with_name("support_matrix.md")
 SUPPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md"
@@ -126,20 +127,27 @@ def _as_encoder(target: Target, config) -> None:
         config.is_decoder = False
 
 
-def _prove_target(target: Target) -> Result:
+def tiny_target(target: Target) -> tuple[type, Any]:
+    """``(class, tiny config)`` the sweep builds ``target`` from."""
     import transformers
 
+    from .shrink import tiny_config_for
+
+    cls = getattr(transformers, target.cls)
+    config = tiny_config_for(target.model_type)
+    if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)  # a composite type's text model (the decoder: MusicGen)
+    _as_encoder(target, config)
+    return cls, config
+
+
+def _prove_target(target: Target) -> Result:
     from .admission import bypassed, prove_tiny_copy, switches
     from .proof import alone_outputs, build_pair, build_stock, prove, sample_tokens
-    from .shrink import tiny_config_for
 
     result = Result(target.group, target.model_type, target.cls, "unbuildable")
     try:
-        cls = getattr(transformers, target.cls)
-        config = tiny_config_for(target.model_type)
-        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
-            config = config.get_text_config(decoder=True)  # a composite type's text model (the decoder: MusicGen)
-        _as_encoder(target, config)
+        cls, config = tiny_target(target)
         result.config_type = config.model_type
     except Exception as error:  # noqa: BLE001
         result.detail = f"tiny config: {_error(error)}"
