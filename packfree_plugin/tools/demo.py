@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
@@ -69,6 +70,7 @@ class RunResult:
     real_tokens: int
     slot_tokens: int  # tokens the model ran on, padding included
     step_real_tokens: list[int]
+    step_slot_tokens: list[int]  # per step, where the collator can say (its ``slots``); else empty
 
     @property
     def tokens_per_second(self) -> float:
@@ -168,12 +170,14 @@ class PaddedCollator:
 
     def __init__(self, pad_token_id: int = 0) -> None:
         self.pad_token_id = pad_token_id
-        self.slot_tokens = 0
+
+    def slots(self, features: Sequence[Mapping[str, Any]]) -> int:
+        """Tokens one step of ``features`` runs on, padding included."""
+        return max(len(f["input_ids"]) for f in features) * len(features)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         samples = [list(f["input_ids"]) for f in features]
         longest = max(len(s) for s in samples)
-        self.slot_tokens += longest * len(samples)
         ids = torch.tensor([s + [self.pad_token_id] * (longest - len(s)) for s in samples])
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in samples])
         labels = ids.masked_fill(mask == 0, -100)
@@ -192,14 +196,22 @@ class StepPacker:
     def __init__(self, max_tokens: int, pad_token_id: int = 0) -> None:
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
-        self.slot_tokens = 0
+
+    def rows(self, features: Sequence[Mapping[str, Any]]) -> int:
+        from ..packing import pack_best_fit_decreasing
+
+        return len(pack_best_fit_decreasing([min(len(f["input_ids"]), self.max_tokens) for f in features],
+                                            self.max_tokens))
+
+    def slots(self, features: Sequence[Mapping[str, Any]]) -> int:
+        """Tokens one step of ``features`` runs on, padding included."""
+        rows = self.rows(features)
+        return sum(min(len(f["input_ids"]), self.max_tokens) for f in features) if rows == 1 else rows * self.max_tokens
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        from ..packing import PackedCollator, pack_best_fit_decreasing
+        from ..packing import PackedCollator
 
-        lengths = [min(len(f["input_ids"]), self.max_tokens) for f in features]
-        rows = len(pack_best_fit_decreasing(lengths, self.max_tokens))
-        self.slot_tokens += sum(lengths) if rows == 1 else rows * self.max_tokens
+        rows = self.rows(features)
         collate = PackedCollator(rows_per_batch=rows, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id,
                                  truncate=True)
         return collate(list(features))
@@ -246,14 +258,17 @@ def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: i
     dataset = features[: steps * batch_size]
     trainer = LossRecordingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                    callbacks=[Recorder()])
-    counts_slots = hasattr(collator, "slot_tokens")
+    counts_slots = hasattr(collator, "slot_tokens")  # a collator that counts its tokens as it goes (demo_vlm's)
     if counts_slots:
         collator.slot_tokens = 0
     trainer.train()
     lengths = [len(s["input_ids"]) for s in dataset]
     step_real = [sum(lengths[i:i + batch_size]) for i in range(0, len(lengths), batch_size)]
+    step_slots = ([collator.slots(dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
+                  if hasattr(collator, "slots") else [])
+    slots = sum(step_slots) if step_slots else collator.slot_tokens if counts_slots else sum(lengths)
     return RunResult(label, model.config._attn_implementation, losses, clock["end"] - clock["begin"], step_seconds,
-                     sum(lengths), collator.slot_tokens if counts_slots else sum(lengths), step_real)
+                     sum(lengths), slots, step_real, step_slots)
 
 
 def compare_training(options: DemoOptions) -> dict[str, Any]:
@@ -388,43 +403,86 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def decompose(result: Mapping[str, Any]) -> dict[str, float | bool]:
-    """The speedup of :func:`compare_training`'s four runs as its parts, each with its ceiling.
+NOISE_RESAMPLES = 2000
+"""Resamples of the timed steps behind each part's noise band (:func:`decompose`)."""
+PARTS = ("ops", "padding", "total")
+
+
+def _parts_over(result: Mapping[str, Any], steps: np.ndarray) -> dict[str, float]:
+    """Each part and its ceiling over the step indices ``steps`` (repeats allowed), the same steps in every run."""
+    seconds = {k: np.asarray(result[k].step_seconds)[steps].sum() for k in ("padded", "packfree_padded", "floor",
+                                                                            "packed")}
+    slots_padded = np.asarray(result["packfree_padded"].step_slot_tokens)[steps].sum()
+    slots_packed = np.asarray(result["packed"].step_slot_tokens)[steps].sum()
+    # every run trains on the same samples at each step, so real tokens/s ratios are step-time ratios
+    stock, mine, floor, packed = (seconds[k] for k in ("padded", "packfree_padded", "floor", "packed"))
+    parts = {"ops": stock / mine, "ops_ceiling": stock / floor, "padding": mine / packed,
+             "padding_ceiling": slots_padded / slots_packed}
+    parts.update(total=parts["ops"] * parts["padding"], total_ceiling=parts["ops_ceiling"] * parts["padding_ceiling"])
+    return {k: float(v) for k, v in parts.items()}
+
+
+def decompose(result: Mapping[str, Any], *, resamples: int = NOISE_RESAMPLES) -> dict[str, float | bool]:
+    """The speedup of :func:`compare_training`'s four runs as its parts, each with its ceiling and noise band.
 
     - ``ops``: stock padded -> packfree padded, the same batches; packfree's ops alone. Ceiling ``ops_ceiling``:
       the floor run over stock, i.e. the speedup if packfree's token-mixing layers cost nothing.
     - ``padding``: packfree padded -> packfree packed; padding removed. Ceiling ``padding_ceiling``: tokens run
       padded over tokens run packed, the most that removing padding can give on work that scales with tokens.
     - ``total``: stock padded -> packfree packed, the product of the two; ceiling the product of theirs.
+
+    Every figure is taken over the timed steps (after each run's warm-up). Its noise is measured from those steps
+    as repeats: the timed steps are resampled with replacement (the same steps in all four runs, so a step's
+    content cancels) and ``<part>_noise`` is the half-width of the central 95 % of ``part / ceiling`` over the
+    resamples, relative. ``<part>_above_ceiling`` holds only when ``part / ceiling`` exceeds 1 by more than
+    that band (its 2.5 % quantile is above 1); ``within_ceilings`` when no part is.
     """
-    stock, mine, floor, packed = (result[k].tokens_per_second for k in ("padded", "packfree_padded", "floor",
-                                                                          "packed"))
-    slots_padded, slots_packed = result["packfree_padded"].slot_tokens, result["packed"].slot_tokens
-    parts: dict[str, float | bool] = {"ops": mine / stock, "ops_ceiling": floor / stock, "padding": packed / mine,
-                                      "padding_ceiling": slots_padded / slots_packed}
-    parts.update(total=parts["ops"] * parts["padding"], total_ceiling=parts["ops_ceiling"] * parts["padding_ceiling"])
-    parts["within_ceilings"] = all(parts[k] <= parts[f"{k}_ceiling"] for k in ("ops", "padding", "total"))
+    count = len(result["padded"].step_seconds)
+    timed = np.arange(WARMUP_STEPS if count > WARMUP_STEPS else 0, count)
+    parts: dict[str, float | bool] = dict(_parts_over(result, timed))
+    generator = np.random.default_rng(0)
+    draws = [_parts_over(result, generator.choice(timed, size=len(timed))) for _ in range(resamples)]
+    for key in PARTS:
+        low, high = np.quantile([d[key] / d[f"{key}_ceiling"] for d in draws], [0.025, 0.975])
+        parts[f"{key}_noise"] = float(high - low) / 2
+        parts[f"{key}_above_ceiling"] = bool(low > 1)
+    parts["within_ceilings"] = not any(parts[f"{key}_above_ceiling"] for key in PARTS)
     return parts
 
 
 def decomposition_table(parts: Mapping[str, float | bool]) -> list[str]:
-    """Markdown rows: each part of the speedup, the runs it compares, its ceiling and what sets the ceiling."""
+    """Markdown rows: each part of the speedup, the runs it compares, its ceiling, its noise and what sets the
+    ceiling."""
     rows = [("packfree's ops", "stock padded -> packfree padded", "ops",
              "the floor run over stock padded: the same padded step with every token-mixing layer skipped, what "
              "packfree padded would reach if its layers cost nothing"),
             ("padding removed", "packfree padded -> packfree packed", "padding",
              "tokens run padded / packed: work that scales with the tokens run shrinks at most by this"),
             ("both", "stock padded -> packfree packed", "total", "the product of the two ceilings")]
-    return ["| part | runs compared | speedup | ceiling | what sets the ceiling |", "|---|---|---:|---:|---|",
-            *(f"| {name} | {runs} | **{parts[key]:.2f}x** | {parts[f'{key}_ceiling']:.2f}x | {why} |"
-              for name, runs, key, why in rows)]
+    return ["| part | runs compared | speedup | ceiling | timing noise (95 %) | what sets the ceiling |",
+            "|---|---|---:|---:|---:|---|",
+            *(f"| {name} | {runs} | **{parts[key]:.2f}x** | {parts[f'{key}_ceiling']:.2f}x | "
+              f"±{parts[f'{key}_noise']:.1%} | {why} |" for name, runs, key, why in rows)]
 
 
-def decomposition_line(parts: Mapping[str, float | bool]) -> str:
-    """One console line: each part against its ceiling, then the product."""
-    return (f"speedup {parts['total']:.2f}x (ceiling {parts['total_ceiling']:.2f}x) = packfree's ops "
-            f"{parts['ops']:.2f}x (ceiling {parts['ops_ceiling']:.2f}x: token mixers free) x padding removed "
-            f"{parts['padding']:.2f}x (ceiling {parts['padding_ceiling']:.2f}x: tokens run padded / packed)")
+def verdict(parts: Mapping[str, float | bool]) -> str:
+    """Whether the timings support the decomposition, allowing for each part's measured noise."""
+    above = [key for key in PARTS if parts[f"{key}_above_ceiling"]]
+    if not above:
+        return "every part is at or below its ceiling within its timing noise"
+    return (f"{', '.join(above)} above its ceiling by more than its timing noise: in this run the timings do not "
+            "support this decomposition (a ceiling's assumption failed, or the machine's load changed between runs)")
+
+
+def decomposition_lines(parts: Mapping[str, float | bool]) -> list[str]:
+    """Console lines: the speedup, each part against its ceiling with its noise, then the verdict."""
+    return [f"speedup {parts['total']:.2f}x (ceiling {parts['total_ceiling']:.2f}x, noise ±{parts['total_noise']:.1%})"
+            f" = packfree's ops x padding removed",
+            f"  packfree's ops  {parts['ops']:.2f}x (ceiling {parts['ops_ceiling']:.2f}x: token mixers free; noise "
+            f"±{parts['ops_noise']:.1%})",
+            f"  padding removed {parts['padding']:.2f}x (ceiling {parts['padding_ceiling']:.2f}x: tokens run padded / "
+            f"packed; noise ±{parts['padding_noise']:.1%})",
+            f"  verdict: {verdict(parts)}"]
 
 
 def throughput_table(*runs: RunResult) -> list[str]:
@@ -453,9 +511,6 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
     config = result["config"]
     layer_types = getattr(config, "layer_types", None)
     mine, stock = audits
-    verdict = ("Each part is at or below its ceiling." if parts["within_ceilings"] else
-               "**A part is above its ceiling: in this run the timings do not support this decomposition** (a "
-               "ceiling's assumption failed, or the machine's load changed between runs); rerun on a quiet machine.")
     lines = [
         "# packfree demo: padded vs packed training on GSM8K",
         "",
@@ -470,7 +525,7 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         "",
         f"**{parts['total']:.2f}x** real tokens/s, packfree packed over stock padded, as the product of two gains "
         f"measured in this run (same machine, same samples; each run's first {WARMUP_STEPS} steps are its warm-up and "
-        "left out). " + verdict,
+        "left out; noise measured by resampling the timed steps). Verdict: " + verdict(parts) + ".",
         "",
         *decomposition_table(parts),
         "",
@@ -543,7 +598,8 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> di
     parts = decompose(result)
     summary.update(decomposition=parts, audit_ok=audits[0].ok, stock_leaks=len(audits[1].leaks), report=str(report),
                    plot=str(out / "demo.png"), total_seconds=time.perf_counter() - started)
-    echo(decomposition_line(parts) + ("" if parts["within_ceilings"] else " -- A PART IS ABOVE ITS CEILING: rerun"))
+    for line in decomposition_lines(parts):
+        echo(line)
     echo(f"{summary['padded_tokens_per_s']:,.0f} -> {summary['packed_tokens_per_s']:,.0f} real tokens/s; packing "
          f"efficiency {summary['padded_efficiency']:.1%} padded -> {summary['packed_efficiency']:.1%} packed; "
          f"max loss diff {summary['max_loss_diff']:.2e}")

@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from packfree_plugin.catalogue import CATALOGUE
 from packfree_plugin.tools.cli import main
+from packfree_plugin.tools.demo import WARMUP_STEPS, RunResult, decompose, verdict
 
 
 def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
@@ -111,16 +113,38 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     expected["total_ceiling"] = expected["ops_ceiling"] * expected["padding_ceiling"]
     for key, value in expected.items():
         assert parts[key] == pytest.approx(value, rel=1e-9), key
-    assert parts["within_ceilings"] == all(expected[k] <= expected[f"{k}_ceiling"] for k in ("ops", "padding", "total"))
+    assert parts["within_ceilings"] == (not any(parts[f"{k}_above_ceiling"] for k in ("ops", "padding", "total")))
 
     rows = {"packfree's ops": "ops", "padding removed": "padding", "both": "total"}
     for name, key in rows.items():
         assert f"| {name} |" in report and f"**{expected[key]:.2f}x** | {expected[key + '_ceiling']:.2f}x |" in report
     console = capsys.readouterr().out
-    assert (f"speedup {expected['total']:.2f}x (ceiling {expected['total_ceiling']:.2f}x) = packfree's ops "
-            f"{expected['ops']:.2f}x (ceiling {expected['ops_ceiling']:.2f}x") in console
+    assert f"speedup {expected['total']:.2f}x (ceiling {expected['total_ceiling']:.2f}x, noise ±" in console
+    assert f"packfree's ops  {expected['ops']:.2f}x (ceiling {expected['ops_ceiling']:.2f}x" in console
     assert f"padding removed {expected['padding']:.2f}x (ceiling {expected['padding_ceiling']:.2f}x" in console
+    assert console.count(f"{expected['padding']:.2f}x (ceiling") == 1  # each figure printed once
     assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
+
+
+def _run(step_seconds: list[float], step_slot_tokens: list[int]) -> RunResult:
+    return RunResult("run", "sdpa", [1.0] * len(step_seconds), sum(step_seconds), step_seconds, 100 * len(step_seconds),
+                     sum(step_slot_tokens), [100] * len(step_seconds), step_slot_tokens)
+
+
+@pytest.mark.parametrize("excess, above", [(1.006, False), (1.5, True)])
+def test_demo_verdict_allows_for_timing_noise(excess: float, above: bool) -> None:
+    """Packing measured ``excess`` times its padding ceiling with 3 % step-to-step timing noise: 0.6 % over (the
+    1.71x-against-1.70x run) lies inside the noise band; 50 % over is flagged."""
+    jitter = 1 + 0.03 * np.random.default_rng(1).standard_normal(40)
+    padded_slots, packed_slots = [170] * 40, [100] * 40
+    mine = (jitter * 1.7).tolist()  # step time follows tokens run; the packed run beats that by ``excess``
+    result = {"padded": _run([2.0] * 40, padded_slots), "packfree_padded": _run(mine, padded_slots),
+              "floor": _run([1.0] * 40, padded_slots), "packed": _run([1.0 / excess] * 40, packed_slots)}
+    parts = decompose(result)
+    assert parts["padding"] / parts["padding_ceiling"] == pytest.approx(float(jitter[WARMUP_STEPS:].mean()) * excess)
+    assert 0.005 < parts["padding_noise"] < 0.05  # about 2 standard errors of 38 steps of 3 % noise
+    assert parts["padding_above_ceiling"] is above and parts["within_ceilings"] is not above
+    assert ("padding above its ceiling by more than its timing noise" in verdict(parts)) is above
 
 
 def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path) -> None:
