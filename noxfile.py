@@ -40,15 +40,41 @@ def tests(session: nox.Session) -> None:
 
 OLDEST_TRANSFORMERS = "5.20.0"  # packfree_plugin.compat.OLDEST_TRANSFORMERS
 NEWEST_TRANSFORMERS = "5.24.0"
+COMPAT_TORCH = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
+"""The torch releases ``nox -s compat`` runs; the first and the last bound pyproject's ``torch`` range."""
+COMPAT_TESTS = ["tests/ops", "tests/attention", "tests/models", "tests/test_boundaries.py", "tests/gate/test_proof.py",
+                "tests/test_compat.py"]
+"""What differs between releases: the attention and mixer ops, every model family against stock, the proof."""
+OLDEST_INTEGRATIONS = ["trl==1.0.0", "peft==0.17.0", "accelerate==1.1.0", "sentence-transformers==6.0.0"]
+"""The oldest releases pyproject's ``integrations`` extra declares (``nox -s compat_integrations`` runs them)."""
+INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/test_compat.py"]
 
 
 @nox.session
-@nox.parametrize("transformers", [OLDEST_TRANSFORMERS, NEWEST_TRANSFORMERS])
-def compat(session: nox.Session, transformers: str) -> None:
-    """The default suite on the oldest and the newest transformers release packfree declares."""
-    _install(session)
-    session.install(f"transformers=={transformers}")
-    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+@nox.parametrize("torch", COMPAT_TORCH, ids=COMPAT_TORCH)
+def compat(session: nox.Session, torch: str) -> None:
+    """The model, op and proof tests on one torch release with the oldest, then the newest transformers packfree
+    declares (one environment per torch, so each multi-GB build is installed once): ``nox -s compat`` runs every
+    torch, ``nox -s "compat(2.14.1)"`` one, ``nox -s compat -- tests`` the whole default suite."""
+    pin = f"torch=={torch}"
+    session.install(pin)
+    session.install(".[test]")  # unpinned, as a user would: pip must keep the torch already there
+    session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == {torch!r}, torch.__version__")
+    for transformers in (OLDEST_TRANSFORMERS, NEWEST_TRANSFORMERS):
+        session.install(f"transformers=={transformers}", pin)
+        session.run("python", "-m", "pytest", "-q", *(session.posargs or COMPAT_TESTS),
+                    env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+@nox.session
+def compat_integrations(session: nox.Session) -> None:
+    """The TRL and PEFT tests on the oldest integration releases declared, with the oldest torch and transformers."""
+    pin = f"torch=={COMPAT_TORCH[0]}"
+    session.install(pin)
+    session.install(".[test]", pin)
+    session.install(f"transformers=={OLDEST_TRANSFORMERS}", *OLDEST_INTEGRATIONS, pin)
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or INTEGRATION_TESTS),
+                env={"HYPOTHESIS_PROFILE": "ci"})
 
 
 @nox.session
