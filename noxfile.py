@@ -45,7 +45,7 @@ COMPAT_TORCH = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 COMPAT_TESTS = ["tests/ops", "tests/attention", "tests/models", "tests/test_boundaries.py", "tests/gate/test_proof.py",
                 "tests/test_compat.py"]
 """What differs between releases: the attention and mixer ops, every model family against stock, the proof."""
-OLDEST_INTEGRATIONS = ["trl==1.0.0", "peft==0.17.0", "accelerate==1.1.0", "sentence-transformers==6.0.0"]
+OLDEST_INTEGRATIONS = ["trl==1.7.0", "peft==0.19.0", "accelerate==1.4.0", "sentence-transformers==6.0.0"]
 """The oldest releases pyproject's ``integrations`` extra declares (``nox -s compat_integrations`` runs them)."""
 INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/test_compat.py"]
 
@@ -68,11 +68,9 @@ def compat(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def compat_integrations(session: nox.Session) -> None:
-    """The TRL and PEFT tests on the oldest integration releases declared, with the oldest torch and transformers."""
-    pin = f"torch=={COMPAT_TORCH[0]}"
-    session.install(pin)
-    session.install(".[test]", pin)
-    session.install(f"transformers=={OLDEST_TRANSFORMERS}", *OLDEST_INTEGRATIONS, pin)
+    """The TRL and PEFT tests on the oldest integration releases declared, with the oldest transformers."""
+    _install(session)
+    session.install(f"transformers=={OLDEST_TRANSFORMERS}", *OLDEST_INTEGRATIONS, TORCH)
     session.run("python", "-m", "pytest", "-q", *(session.posargs or INTEGRATION_TESTS),
                 env={"HYPOTHESIS_PROFILE": "ci"})
 
