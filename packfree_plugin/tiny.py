@@ -38,8 +38,6 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
     shrunk by :func:`packfree_plugin.gate.shrink.tiny_config_for` (every distinct layer kind kept; ``overrides``
     set on top). ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth; shrunk: as many layers as
     cover every layer kind)."""
-    from transformers import AutoConfig
-
     from .catalogue import CATALOGUE, catalogue_config
     from .gate.shrink import tiny_config_for
 
@@ -59,12 +57,21 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
             kwargs["mlp_only_layers"] = list(range(num_hidden_layers))
         if model_type == "mamba2" and "num_heads" not in overrides:  # heads * head_dim must be hidden * expand
             kwargs["num_heads"] = kwargs["hidden_size"] * kwargs["expand"] // kwargs["head_dim"]
-        return AutoConfig.for_model(model_type, **kwargs)
+        return transformers_config(model_type, **kwargs)
     config = tiny_config_for(model_type)
     for name, value in {"vocab_size": vocab_size, "hidden_size": hidden_size, **overrides}.items():
         if getattr(config, name, value) != value:
             setattr(config, name, value)
     return config
+
+
+def transformers_config(model_type: str, /, **values: Any):
+    """A config of transformers' own class for ``model_type``. ``AutoConfig.for_model`` builds fla's once fla is
+    imported: fla registers its own config classes under ``mamba``, ``mamba2`` and others."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(**values)
 
 
 def is_model_dir(target: str) -> bool:
