@@ -72,10 +72,9 @@ def test_a_check_past_its_budget_keeps_its_rows_and_the_next_checks_run(monkeypa
         rows.append({"check": "fast", "status": "ok"})
 
     monkeypatch.setattr(gpu_check, "CHECKS", {"attention": slow, "ops": fast, "stock": fast, "compiled": fast})
-    start = time.perf_counter()
     assert gpu_check.main(["--dry-run", "--budget", "4", "--out", str(tmp_path)]) == 0
-    assert time.perf_counter() - start < 10
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    # the slow check's second row never came: it was stopped, and the next checks ran
     assert [row["check"] for row in rows] == ["slow, first row", "attention", "fast", "fast", "fast",
                                               "one packed row over 2 ranks"]
     assert rows[1]["status"].startswith("skipped (over its 1 s share of --budget; the 1 rows above finished")
