@@ -60,10 +60,11 @@ from ..context import boundaries_here, class_forward_parameters
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters
 from .entry import additive_mask, register_by_class_name
+from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
-           "reads_boundaries_in_layers", "register_position_adapter", "wrap_positions"]
+           "numbering_of", "reads_boundaries_in_layers", "register_position_adapter", "wrap_positions"]
 
 _TAG = "position_"
 """Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
@@ -252,6 +253,7 @@ def _position_forward(module: nn.Module, *args, **kwargs):
 def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Boundaries,
             arguments: dict[str, Any]) -> Any:
     if numbering != "per_sample" and _callers_ids(arguments.get("position_ids"), boundaries):
+        check_callers_ids(module, numbering, arguments["position_ids"], boundaries)  # 0-based ids on RoBERTa: said
         return forward(**arguments)  # read token by token: each sample takes its own slice of the caller's ids
     return RULES[numbering](module, forward, boundaries, arguments)
 
@@ -496,5 +498,20 @@ def wrap_positions(model: nn.Module) -> list[str]:
         if replacement is None:
             continue
         install(module, replacement, tag=_TAG)
+        if name in POSITION_ADAPTERS:
+            mark(module, model, path)
         wrapped.append(path)
     return wrapped
+
+
+def numbering_of(model: nn.Module) -> Numbering:
+    """How ``model`` numbers a lone sample called without ``position_ids``: from where its first position module
+    of :data:`POSITION_ADAPTERS` that does not start at 0 starts (RoBERTa: ``padding_idx + 1``), else from 0 where
+    the model takes ``position_ids``, else not by ids."""
+    for path, module in model.named_modules():
+        adapter = POSITION_ADAPTERS.get(type(module).__name__)
+        if adapter is not None:
+            numbering = lone_sample_numbering(module, adapter.numbering, path)
+            if numbering.start:
+                return numbering
+    return Numbering(0 if "position_ids" in inspect.signature(type(model).forward).parameters else None)
