@@ -21,8 +21,9 @@ LM_HEAD_TOLERANCE = 1e-6
 """Relative tolerance of packed against padded log-prob paths: TRL's fused LM head computes its log-softmax in
 float32 whatever the model's dtype, so float64 hidden states that agree to 1e-15 can land one float32 ulp apart
 (1.2e-7 relative) in a log-prob, and one step's update carries that into the next."""
-TOLERANCE = {"qwen3_next": 2e-6, "qwen3_5_text": 2e-6, "mamba2": 2e-6}
-"""Stock's Gated DeltaNet and Mamba2 torch paths also compute in float32 inside (norms, gates)."""
+TOLERANCE = {"qwen3_next": 2e-6, "qwen3_5_text": 2e-6, "mamba2": 1e-5}
+"""Stock's Gated DeltaNet and Mamba2 torch paths also compute in float32 inside (norms, gates); stock Mamba2 runs
+GRPO's left-padded prompts through its masked path, 3e-6 from each sample alone after one update."""
 
 
 @pytest.fixture
@@ -90,10 +91,10 @@ def models(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
 def common_config(tmp_path, **overrides: Any) -> dict[str, Any]:
     """Training arguments both runs share: full precision, no shuffling, a log and a gradient record every step,
     plain SGD (Adam would turn rounding-level differences in near-zero gradients into steps of a full learning rate)."""
-    return dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.5, optim="sgd",
-                lr_scheduler_type="constant", report_to="none", logging_steps=1, save_strategy="no", use_cpu=True,
-                train_sampling_strategy="sequential", disable_tqdm=True, bf16=False, max_grad_norm=0.0,
-                dataloader_drop_last=True, **overrides)
+    return {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.5, optim="sgd",
+                   lr_scheduler_type="constant", report_to="none", logging_steps=1, save_strategy="no", use_cpu=True,
+                   train_sampling_strategy="sequential", disable_tqdm=True, bf16=False, max_grad_norm=0.0,
+                   dataloader_drop_last=True), **overrides}
 
 
 @dataclass
@@ -135,9 +136,12 @@ def train(trainer) -> Record:
 
 
 def worst_relative(packed: dict[str, torch.Tensor], padded: dict[str, torch.Tensor]) -> float:
-    """Largest ``|packed - padded|`` over all gradients, relative to the largest padded gradient entry."""
+    """Largest ``|packed - padded|`` over all gradients, relative to the largest padded gradient entry (absolute
+    when every padded gradient is 0)."""
     assert packed.keys() == padded.keys(), sorted(packed.keys() ^ padded.keys())
     scale = max(float(g.abs().max()) for g in padded.values())
+    if scale == 0.0:
+        return max(float(g.abs().max()) for g in packed.values())
     return max(float((packed[name] - padded[name]).abs().max()) for name in padded) / scale
 
 
@@ -149,7 +153,8 @@ def assert_runs_equal(packed: Record, padded: Record, *, rtol: float, keys: tupl
     for step, (mine, theirs) in enumerate(zip(packed.losses, padded.losses)):
         assert abs(mine - theirs) <= rtol * max(1.0, abs(theirs)), f"step {step} loss: {mine} vs {theirs}"
     for step, (mine, theirs) in enumerate(zip(packed.logs, padded.logs)):
-        for key in keys:
+        assert set(keys) & theirs.keys() == set(keys) & mine.keys(), step
+        for key in set(keys) & theirs.keys():  # a step logs what it computed (GRPO rewards at generation steps)
             scale = max(1.0, abs(theirs[key]), abs(theirs.get(scale_key, 0.0)))
             assert abs(mine[key] - theirs[key]) <= rtol * scale, f"step {step} {key}: {mine[key]} vs {theirs[key]}"
     for step, (mine, theirs) in enumerate(zip(packed.gradients, padded.gradients)):
