@@ -71,3 +71,34 @@ def test_refuses_what_it_cannot_pack(mask, message) -> None:
 def test_budget_smaller_than_a_sample_is_refused() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         PackedRows.of(padded_mask(SPANS, 8), 6)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2"])
+def test_hybrid_state_never_crosses_a_packed_sample(model_type: str) -> None:
+    """Scoring through :func:`pack_scoring` (all samples in one row): changing every token of one sample leaves the
+    other samples' per-token log-probs bit for bit unchanged, and they equal the stock model's on the padded batch."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from packfree_plugin.integrations.trl import pack_scoring
+    from tests.integrations.trl_runs import models, tolerance
+
+    packed_model, stock = (model.eval() for model in models(model_type))
+    for model in (packed_model, stock):
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    pack_scoring(packed_model)
+    mask = padded_mask([(0, 9), (0, 4), (0, 7), (0, 6)], 9)
+    ids = torch.randint(3, 128, (4, 9), generator=torch.Generator().manual_seed(0)) * mask
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def log_probs(model, tokens):
+        with torch.no_grad():
+            return model(input_ids=tokens, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+
+    reference = log_probs(packed_model, ids)
+    torch.testing.assert_close(reference, log_probs(stock, ids), rtol=tolerance(model_type), atol=1e-6)
+    changed = ids.clone()
+    changed[1, :4] = (changed[1, :4] + 17) % 125 + 3  # the second sample, the row's second segment
+    moved = log_probs(packed_model, changed)
+    others = [0, 2, 3]
+    assert torch.equal(moved[others], reference[others]), "a packed sample's log-probs moved with another sample"
+    assert not torch.equal(moved[1], reference[1])
