@@ -41,7 +41,8 @@ def dpo_pair(model_type: str, tmp_path, *, ref_seed: int | None = 7, rows: int =
     return records
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", pytest.param("mamba2", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_dpo_packed_equals_padded(tmp_path, packings, model_type: str) -> None:
     dense = {"router_aux_loss_coef": 0.0} if model_type == "qwen3_next" else {}  # its dense config still declares router logits
     packed, padded = dpo_pair(model_type, tmp_path, gradient_checkpointing=model_type == "qwen3_next", **dense)

@@ -59,7 +59,8 @@ def grpo_pair(model_type: str, tmp_path, *, max_tokens_per_row: int | None = Non
     return records, trainers
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2"])
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen3_next", marks=pytest.mark.slow),
+                                        pytest.param("mamba2", marks=pytest.mark.slow)])
 def test_grpo_packed_equals_padded(tmp_path, packings, model_type: str) -> None:
     dense = {"router_aux_loss_coef": 0.0} if model_type == "qwen3_next" else {}  # its dense config declares router logits
     (packed, padded), (trainer, _) = grpo_pair(model_type, tmp_path, **dense)

@@ -17,7 +17,8 @@ datasets = pytest.importorskip("datasets")
 METRICS = ("min_reward", "mean_reward", "max_reward", "accuracy", "margin", "grad_norm", "num_tokens")
 
 
-@pytest.mark.parametrize(("model_type", "budget"), [("llama", None), ("qwen3_next", 30), ("qwen3_moe", None)])
+@pytest.mark.parametrize(("model_type", "budget"), [("llama", None), ("qwen3_next", 30),
+                                                    pytest.param("qwen3_moe", None, marks=pytest.mark.slow)])
 def test_reward_packed_equals_padded(tmp_path, packings, model_type: str, budget: int | None) -> None:
     from transformers import AutoModelForSequenceClassification
 
