@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config"]
+__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config", "tiny_tokenizer"]
 
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -110,3 +110,24 @@ def load_model(target: str, attn_implementation: str, *, dtype: torch.dtype = to
     torch.manual_seed(seed)
     config = tiny_config(target)
     return auto_class(config).from_config(config, **kwargs).eval()
+
+
+TOKENIZER_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+"""Ids 0-3 of :func:`tiny_tokenizer`, matching the tiny configs' ``pad=0, bos=1, eos=2``."""
+
+
+def tiny_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` whose ids fit the tiny configs' 128-token vocabulary:
+    ``<pad> <bos> <eos> <unk>`` are 0-3, printable ASCII characters 4-98, anything else ``<unk>``. For trainers
+    (TRL's) that take text and tokenise it themselves."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {token: index for index, token in enumerate(TOKENIZER_SPECIALS)}
+    for code in range(32, 127):
+        vocabulary[chr(code)] = len(vocabulary)
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    pad, bos, eos, unk = TOKENIZER_SPECIALS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
+                                   unk_token=unk)

@@ -1,0 +1,1 @@
+"""Integrations with training libraries built on transformers (TRL, sentence-transformers)."""
