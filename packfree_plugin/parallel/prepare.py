@@ -91,9 +91,11 @@ def check_splittable(model: nn.Module) -> None:
         adapter = adapter_for(type(module))
         if adapter is not None and adapter.native is not native_forward:
             raise ValueError(
-                f"{path} ({kind}): packfree runs only routed mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short "
-                f"convs) sequence-parallel, head by head; its {adapter.family} adapter would read the shard as the row. "
-                "Use data parallelism (DDP/FSDP, one packed row per rank) for this model"
+                f"{path} ({kind}): its {adapter.family} adapter runs the layer's recurrence on the shard's tokens "
+                "alone (per sample, not through packfree's routed ops, the ones that run head-parallel over the whole "
+                "row), and a sample that began on another rank is not on this shard; packfree splits only routed "
+                "mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short convs). Use data parallelism (DDP/FSDP, one packed "
+                "row per rank) for this model"
             )
         if kind in POSITION_ADAPTERS:
             raise ValueError(
