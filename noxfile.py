@@ -68,7 +68,7 @@ def sweep(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Speed and memory ratios against baselines measured in the same run (never asserted in tests), the
-    real-sizes table and one packed row over 2 ranks (DeepSpeed Ulysses) included; ``nox -s bench -- --quick`` for one
+    real-sizes table and one packed row over 4 ranks (DeepSpeed Ulysses) included; ``nox -s bench -- --quick`` for one
     repeat."""
     _install(session)
     session.run("python", "-m", "benchmarks", *session.posargs)

@@ -17,7 +17,7 @@ SUITES = {
     "training (GSM8K, HF Trainer)": "benchmarks.training",
     "compiled training step (inductor)": "benchmarks.compiled",
     "load-time gate": "benchmarks.gate_cost",
-    "one packed row over 2 ranks (Ulysses)": "benchmarks.sequence_parallel",
+    "one packed row over 4 ranks (Ulysses)": "benchmarks.sequence_parallel",
 }
 
 
