@@ -29,7 +29,7 @@ from torch import nn
 
 from .prepare import prepare_sequence_parallel
 
-__all__ = ["head_widths", "init_deepspeed", "register_ulysses"]
+__all__ = ["init_deepspeed", "register_ulysses"]
 
 PER_HEAD_ATTENTION_KWARGS = ("s_aux", "sinks")
 """Attention-function arguments ``[H]`` holding one value per query head (GPT-OSS's sinks). The only per-head
@@ -37,7 +37,7 @@ tensors packfree attention accepts (it refuses unknown tensors); per-head scales
 the layer's projections, outside the exchange, where every rank holds all heads of its tokens."""
 
 
-def head_widths(config: Any) -> tuple[int, int]:
+def _head_widths(config: Any) -> tuple[int, int]:
     """``(query/key width, value width)`` of a text config's attention heads (they differ for latent attention)."""
     text = config.get_text_config()
     default = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -58,8 +58,7 @@ def _packfree_around(ulysses: Callable[..., tuple[torch.Tensor, Any]], widths: t
     """packfree's layer around DeepSpeed's registered attention wrapper (see the module docstring)."""
     from ..context import boundaries_here
 
-    qk_width, v_width = widths
-    width = max(widths)
+    v_width, width = widths[1], max(widths)
 
     @functools.wraps(ulysses)
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -105,7 +104,7 @@ def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_bat
         described = config.get_text_config()
         if getattr(described, "num_key_value_heads", None) is None:  # BERT-style configs: every head has its own k/v
             described.num_key_value_heads = described.num_attention_heads
-        widths = head_widths(model.config)
+        widths = _head_widths(model.config)
         described.head_dim = max(widths)  # DeepSpeed exchanges one head width: latent attention's widest
         UlyssesSPAttentionHF.register_with_transformers(
             SimpleNamespace(config=config), core_attn_implementation="packfree",
