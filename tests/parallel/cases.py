@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+
 @dataclass(frozen=True)
 class Case:
     model_type: str
@@ -68,7 +69,6 @@ class Result:
     logits_dtype: torch.dtype
 
 
-
 def tolerance(case: Case, result: Result) -> float:
     """Relative tolerance of a comparison with the stock model: float64 to rounding; float32 where the model casts
     its logits to float32 (Mamba2's head does) or runs in float32."""
@@ -88,8 +88,9 @@ class _Float64Torch(types.ModuleType):
 @contextlib.contextmanager
 def float64_inside(model: torch.nn.Module) -> Iterator[None]:
     """Make the float32 steps of ``model``'s modeling module (``x.to(torch.float32)`` in its RMSNorms, Qwen3-Next's
-    delta rule, ``Tensor.float()`` anywhere) float64 while a float64 model runs: in float32 a row split over ranks and the samples run alone
-    round differently (the matmuls' last float64 bit, carried to float32 rounding). Float32 models run as they are."""
+    delta rule) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in float32 a row split over ranks
+    and the samples run alone round differently (the matmuls' last float64 bit, carried to float32 rounding).
+    Float32 models run as they are."""
     module = sys.modules[type(model).__module__]
     if next(model.parameters()).dtype != torch.float64 or module.torch is not torch:
         yield
@@ -183,6 +184,7 @@ def _plant(case: Case) -> None:
     from packfree_plugin.parallel import batch, heads, ulysses
     from packfree_plugin.parallel import prepare as shard
 
+    assert case.plant is None or case.plant in PLANTS, case.plant
     if case.plant == "shard_edges":
         def shard_local(local: torch.Tensor, group) -> torch.Tensor:
             restarted = local.clone()
@@ -203,8 +205,6 @@ def _plant(case: Case) -> None:
             position_ids[:, -1:] + 1 + torch.arange(pad, dtype=position_ids.dtype).expand(position_ids.shape[0], pad))
     elif case.plant == "sinks":
         ulysses._rank_heads = lambda tensor, heads_, rank: tensor[:heads_]
-    else:
-        assert case.plant is None, case.plant
 
 
 def _sequence_parallel(case: Case, rank: int) -> Result:
