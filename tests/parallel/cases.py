@@ -88,18 +88,33 @@ class _Float64Torch(types.ModuleType):
 @contextlib.contextmanager
 def float64_inside(model: torch.nn.Module) -> Iterator[None]:
     """Make the float32 steps of ``model``'s modeling module (``x.to(torch.float32)`` in its RMSNorms, Qwen3-Next's
-    delta rule) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in float32 a row split over ranks
+    delta rule, float32 default arguments) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in float32 a row split over ranks
     and the samples run alone round differently (the matmuls' last float64 bit, carried to float32 rounding).
     Float32 models run as they are."""
     module = sys.modules[type(model).__module__]
     if next(model.parameters()).dtype != torch.float64 or module.torch is not torch:
         yield
         return
+    defaults = _float32_defaults(module)
     module.torch, torch.Tensor.float = _Float64Torch(), _to_float64
+    for function, values in defaults.items():
+        function.__defaults__ = tuple(torch.float64 if value is torch.float32 else value for value in values)
     try:
         yield
     finally:
         module.torch, torch.Tensor.float = torch, _TENSOR_FLOAT
+        for function, values in defaults.items():
+            function.__defaults__ = values
+
+
+def _float32_defaults(module: types.ModuleType) -> dict[types.FunctionType, tuple]:
+    """The functions and methods of ``module`` with a ``torch.float32`` default argument (RecurrentGemma's RG-LRU
+    scan: ``acc_dtype=torch.float32``, bound when the module loaded), and their defaults."""
+    functions = [value for value in vars(module).values() if isinstance(value, types.FunctionType)]
+    for cls in (value for value in vars(module).values() if isinstance(value, type)):
+        functions += [value for value in vars(cls).values() if isinstance(value, types.FunctionType)]
+    return {function: function.__defaults__ for function in functions
+            if function.__module__ == module.__name__ and torch.float32 in (function.__defaults__ or ())}
 
 
 _TENSOR_FLOAT = torch.Tensor.float

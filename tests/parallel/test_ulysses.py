@@ -43,6 +43,8 @@ DEFAULT = [
     _ulysses("kimi_linear", ODD, overrides=MLA_V_WIDE),  # KDA (head-parallel) + latent attention
     _ulysses("qwen3_next", EDGES2),  # Gated DeltaNet (conv + delta rule, head-parallel) + attention
     _ulysses("bert", ODD),  # bidirectional encoder, masked-LM targets; sees the padding sample if it leaks
+    _ulysses("minimax", ODD),  # lightning attention (head-parallel decay linear attention) + attention
+    _ulysses("recurrent_gemma", ODD),  # RG-LRU + its conv (channel-parallel) + local attention
     _ulysses("llama", EDGES4, world=4),
     _ulysses("granitemoehybrid", SPAN4, world=4),
     _ulysses("mamba2", EDGES4, world=4, overrides=MAMBA2_GROUPS(2)),  # 2 B/C groups over 4 ranks
@@ -74,6 +76,8 @@ FULL = [
     _ulysses("qwen3_next", SPAN4, world=4, overrides=(("linear_num_key_heads", 4),)),
     _ulysses("bert", EDGES4, world=4),
     _ulysses("mamba2", SPAN4, world=4, overrides=MAMBA2_GROUPS(8)),  # 8 groups over 4 ranks
+    _ulysses("minimax", EDGES4, world=4),
+    _ulysses("recurrent_gemma", SPAN4, world=4),
 ]
 FULL_PLANTED = [_ulysses(model_type, ODD, plant="shard_edges") for model_type in ("llama", "qwen3_next", "lfm2",
                                                                                   "bert")]
