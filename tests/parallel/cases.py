@@ -88,9 +88,9 @@ class _Float64Torch(types.ModuleType):
 @contextlib.contextmanager
 def float64_inside(model: torch.nn.Module) -> Iterator[None]:
     """Make the float32 steps of ``model``'s modeling module (``x.to(torch.float32)`` in its RMSNorms, Qwen3-Next's
-    delta rule, float32 default arguments) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in float32 a row split over ranks
-    and the samples run alone round differently (the matmuls' last float64 bit, carried to float32 rounding).
-    Float32 models run as they are."""
+    delta rule, float32 default arguments) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in
+    float32 a row split over ranks and the samples run alone round differently (the matmuls' last float64 bit,
+    carried to float32 rounding). Float32 models run as they are."""
     module = sys.modules[type(model).__module__]
     if next(model.parameters()).dtype != torch.float64 or module.torch is not torch:
         yield
