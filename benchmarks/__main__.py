@@ -18,7 +18,7 @@ SUITES = {
     "DPO and GRPO scoring steps (GSM8K, TRL's fused LM head)": "benchmarks.rl",
     "compiled training step (inductor)": "benchmarks.compiled",
     "load-time gate": "benchmarks.gate_cost",
-    "one packed row over 2 ranks (Ulysses)": "benchmarks.sequence_parallel",
+    "one packed row over 4 ranks (Ulysses)": "benchmarks.sequence_parallel",
 }
 
 

@@ -187,7 +187,6 @@ def parallel_layout() -> list[tuple[str, str]]:
 def sequence_parallel_support(target: str) -> str:
     """Whether ``target``'s packed rows can be split over ranks (``"yes"``, else the set-up refusal's message)."""
     from ..parallel.prepare import check_splittable
-    from ..parallel.ulysses import refuse_latent_attention
     from ..registration import register
     from ..tiny import auto_class, load_config
 
@@ -197,7 +196,6 @@ def sequence_parallel_support(target: str) -> str:
         with torch.device("meta"):
             model = auto_class(config).from_config(config, attn_implementation="packfree")
         check_splittable(model)
-        refuse_latent_attention(model)
     except ValueError as error:
         return f"refused: {error}"
     return "yes (DeepSpeed Ulysses for attention, head-parallel mixers; docs/distributed.md)"
