@@ -15,6 +15,7 @@ SUITES = {
     "short samples (16 of 4-32 tokens)": "benchmarks.short_samples",
     "real sizes (published widths)": "benchmarks.real_sizes",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
+    "sentence-transformers encode (MiniLM, GSM8K)": "benchmarks.sentence_embeddings",
     "compiled training step (inductor)": "benchmarks.compiled",
     "load-time gate": "benchmarks.gate_cost",
     "one packed row over 2 ranks (Ulysses)": "benchmarks.sequence_parallel",
