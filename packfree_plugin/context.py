@@ -301,6 +301,8 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         return None
     batch_size, seq_len = tokens.shape[0], tokens.shape[1]
+    if batch_size == 0 or seq_len == 0:
+        return None  # no tokens, nothing to keep apart: the model runs as stock
     past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
     if _cache_holds_tokens(past):
         given = _packing_signs(arguments)

@@ -48,7 +48,17 @@ class ModelForward(functools.partial):
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(_own_forward(self.args[0]))
+        return inspect.signature(self.__wrapped__)
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """The model's own forward, bound (what ``typing.get_type_hints`` and ``functools`` unwrapping read)."""
+        model = self.args[0]
+        return model.__dict__.get(_EARLIER) or type(model).forward.__get__(model)
+
+    @property
+    def __annotations__(self) -> dict[str, Any]:  # sentence-transformers reads the return type's fields
+        return self.__wrapped__.__annotations__
 
 
 def _own_forward(model: nn.Module) -> Callable:

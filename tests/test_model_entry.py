@@ -191,3 +191,21 @@ def test_switching_back_runs_exactly_as_stock(model_type: str) -> None:
 def test_apply_still_switches_and_prepares() -> None:
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     assert packfree_plugin.apply(model) is model and has_entry(model) and has_entry(model.model)
+
+
+def test_introspection_and_an_empty_batch_read_as_stock() -> None:
+    """sentence-transformers reads the forward's return type with ``typing.get_type_hints``; an empty batch fails as
+    stock's does (its own RuntimeError), not with a packfree error about boundaries."""
+    import typing
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="packfree")
+    stock = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    assert typing.get_type_hints(model.forward) == typing.get_type_hints(stock.forward)
+    empty = {"input_ids": torch.zeros(0, 5, dtype=torch.long), "attention_mask": torch.zeros(0, 5, dtype=torch.long)}
+    outcomes = []
+    for each in (model, stock):
+        try:
+            outcomes.append(tuple(each(**empty).logits.shape))
+        except RuntimeError:
+            outcomes.append("RuntimeError")
+    assert outcomes[0] == outcomes[1], outcomes
