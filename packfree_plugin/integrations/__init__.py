@@ -1,1 +1,2 @@
-"""Integrations with training libraries built on transformers (TRL, sentence-transformers)."""
+"""Adapters for training libraries built on transformers (TRL, sentence-transformers): one module per library,
+each with the releases it was tested with (docs/integrations.md)."""

@@ -19,7 +19,8 @@ from ..adapters.forwards import lightning_forward, rg_lru_forward
 from ..adapters.positions import POSITION_ADAPTERS
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
-from ..context import apply_model_hook, boundaries_here, class_forward_parameters, without_cache
+from ..context import boundaries_here, class_forward_parameters, without_cache
+from ..model_entry import add_step, apply_model_hook
 from ..unpacked import PACKING_KWARGS
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
@@ -119,10 +120,9 @@ def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None 
                          "deepspeed.init_distributed) before prepare_sequence_parallel")
     group = group if group is not None else dist.group.WORLD
     check_splittable(model)
-    apply_model_hook(model)  # packfree's own hook first: ours reads the boundaries it adds
+    apply_model_hook(model)  # packfree's own entry: the shard step runs in it, after it has added the boundaries
     outermost = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    if getattr(outermost, _HOOK_ATTR, None) is None:
-        outermost.register_forward_pre_hook(_shard_hook, with_kwargs=True)
+    add_step(outermost, _shard_hook)
     setattr(outermost, _HOOK_ATTR, group)
     return model
 
