@@ -92,10 +92,9 @@ def sweep(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Speed and memory ratios against baselines measured in the same run (never asserted in tests), the
-    real-sizes table and one packed row over 2 ranks (DeepSpeed Ulysses) included; ``nox -s bench -- --quick`` for one
+    real-sizes table and one packed row over 4 ranks (DeepSpeed Ulysses) included; ``nox -s bench -- --quick`` for one
     repeat."""
     _install(session)
-    session.install(DEEPSPEED)
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 
@@ -132,17 +131,14 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})
 
 
-DEEPSPEED = "deepspeed==0.19.8"  # Ulysses (ALST) for transformers; runs on the CPU with gloo
-
-
 @nox.session
 def distributed(session: nox.Session) -> None:
-    """One packed row split over 2 CPU ranks (gloo): DeepSpeed Ulysses and packfree's head-parallel mixers equal one
-    process, torch's context_parallel refused (tests/parallel), plus data parallelism (tests/e2e/test_distributed.py)."""
+    """One packed row split over 2 and 4 CPU ranks (gloo): DeepSpeed Ulysses and packfree's head-parallel mixers
+    equal the stock model on each sample alone, every case (the default suite runs a subset), torch's
+    context_parallel refused (tests/parallel), plus data parallelism (tests/e2e/test_distributed.py)."""
     _install(session)
-    session.install(DEEPSPEED)
     session.run("python", "-m", "pytest", "-q", "tests/parallel", "tests/e2e/test_distributed.py", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci"})
+                env={"HYPOTHESIS_PROFILE": "ci", "PACKFREE_SP_FULL": "1"})
 
 
 UPSTREAM_TEST_REQUIREMENTS = ["parameterized>=0.9", "httpx>=0.27", "pytest-timeout>=2.3", "timeout-decorator>=0.5"]
@@ -158,3 +154,37 @@ def upstream(session: nox.Session) -> None:
     _install(session)
     session.install(*UPSTREAM_TEST_REQUIREMENTS)
     session.run("python", "-m", "tests.upstream.run", *session.posargs)
+
+
+GPU_IMAGE = ["torch==2.11.0", "triton==3.6.0", "transformers==5.17.0", "accelerate==1.15.0", "peft==0.21.2",
+             "sentence-transformers==6.0.1", "hypothesis==6.170.17", "pytest==9.2.0", "einops==0.8.2"]
+"""The lent GPU machine's image as pinned packages (its torch is the CUDA 2.11.0 build; here it runs on the CPU)."""
+GPU_BUNDLE = "gpu-bundle"  # ignored (.gitignore): what the GPU machine lacks, carried with the working tree
+
+
+@nox.session
+def gpu_bundle(session: nox.Session) -> None:
+    """Fill gpu-bundle/ with everything the GPU machine's image lacks (benchmarks/gpu_bundle.py): pinned CPython 3.12
+    wheels, fla, mamba-ssm without its CUDA code, packfree's own wheel, run.sh; prints its size and the one call."""
+    session.install(TORCH)
+    session.install("setuptools", "wheel", "packaging", "ninja", TORCH)
+    wheels = os.path.join(GPU_BUNDLE, "wheels")
+    env = {"PYTHONPATH": os.getcwd()}
+    fla = [pin for pin in KERNEL_PACKAGES if pin.startswith(("fla-core", "flash-linear-attention"))]
+    session.run("python", "-m", "benchmarks.gpu_bundle", "download", GPU_BUNDLE, *fla, env=env)
+    mamba = next(pin for pin in PYTHON_ONLY if pin.startswith("mamba-ssm"))
+    session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", wheels, mamba,
+                env=PYTHON_ONLY[mamba])
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", wheels, ".")
+    session.run("python", "-m", "benchmarks.gpu_bundle", "finish", GPU_BUNDLE, env=env)
+
+
+@nox.session(python=["3.12"])
+def gpu_rehearsal(session: nox.Session) -> None:
+    """The GPU run rehearsed here: a fresh venv holding only the image's packages (torch 2.11.0, transformers 5.17.0,
+    ...), then gpu-bundle/run.sh with no index and no network, running the check's CPU dry run end to end."""
+    session.install(*GPU_IMAGE)
+    out = os.path.join(session.create_tmp(), "gpu-results")
+    offline = {"PIP_NO_INDEX": "1", "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+               "PYTHON": os.path.join(session.bin, "python")}
+    session.run("bash", f"{GPU_BUNDLE}/run.sh", out, "--dry-run", *session.posargs, env=offline, external=True)

@@ -15,9 +15,11 @@ SUITES = {
     "short samples (16 of 4-32 tokens)": "benchmarks.short_samples",
     "real sizes (published widths)": "benchmarks.real_sizes",
     "training (GSM8K, HF Trainer)": "benchmarks.training",
+    "DPO and GRPO scoring steps (GSM8K, TRL's fused LM head)": "benchmarks.rl",
+    "sentence-transformers encode (MiniLM, GSM8K)": "benchmarks.sentence_embeddings",
     "compiled training step (inductor)": "benchmarks.compiled",
     "load-time gate": "benchmarks.gate_cost",
-    "one packed row over 2 ranks (Ulysses)": "benchmarks.sequence_parallel",
+    "one packed row over 4 ranks (Ulysses)": "benchmarks.sequence_parallel",
 }
 
 

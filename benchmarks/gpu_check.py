@@ -1,10 +1,13 @@
-"""GPU check (``nox -s gpu``): packfree on a CUDA machine against stock transformers on the same GPU, in one command.
+"""GPU check (``nox -s gpu``, or offline ``gpu-bundle/run.sh``): packfree on a CUDA machine against stock transformers
+on the same GPU, in one command.
 
 What it compares (every row says ``ok``, ``MISMATCH``, ``skipped (...)`` or ``error: ...``; a failing check never
-stops the others):
+stops the others; every measured row gives a ratio, ``x_...``, against a baseline timed in the same run):
 
-1. **install**: ``flash-linear-attention`` (fla, Triton) from the registry; ``flash-attn``, ``mamba-ssm`` and
-   ``causal-conv1d`` as prebuilt wheels only, each under a time limit, skipped if they do not install in time.
+1. **install** (``--install``): ``flash-linear-attention`` (fla, Triton) from the registry; ``flash-attn``,
+   ``mamba-ssm`` and ``causal-conv1d`` as prebuilt wheels only, each under a time limit, skipped if they do not
+   install in time. Or **bundle** (``--bundle``, from ``run.sh``): each carried wheel intact and imported from where
+   ``run.sh`` installed it, and what could not travel (benchmarks/gpu_bundle.py) skipped with its reason.
 2. **attention**: a packed bf16 row (16 samples of skewed lengths, GQA) at head_dim 128, 256 and 512, without a
    window and with both sliding-window conventions (causal ``i - W < j <= i``; bidirectional ``|i - j| <= W``),
    through every fused varlen backend that loads (torch varlen, flash-attn, kernels-hub) and packfree's portable
@@ -16,7 +19,12 @@ stops the others):
    packed by ``DataCollatorWithFlattening`` (``sdpa``, and ``flash_attention_2`` where flash-attn installed),
    each against stock ``sdpa`` on every sample alone; max logit difference and forward+backward time
    (``x_packfree_time``: stock's time / packfree's).
-5. **compiled**: packed bf16 training steps under ``torch.compile`` (Llama, Qwen3-Next, Mamba2) against eager.
+5. **compiled**: packed bf16 training steps under ``torch.compile`` (Llama, Qwen3-Next, Mamba2) against eager
+   (``x_eager_time``: compiled step time / eager's).
+6. **ranks**: one packed row over 2 ranks needs a second GPU; one is lent, so the row says so.
+
+On a GPU the checks share ``--budget`` (420 s; :data:`BUDGET_SHARES`): a check past its share keeps the rows it
+finished, says it stopped, and the next one runs. The results are rewritten after every check.
 
 Everything lands in one folder (``--out``, default ``gpu-results/``): ``gpu.md`` (one Markdown table) and
 ``gpu.json``. Exit code 1 if any check that ran failed. ``--dry-run`` runs every check on the CPU in float32 at
@@ -27,12 +35,15 @@ use the ``aot_eager`` backend): it is what the tests run, so the script works th
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import json
+import signal
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,12 +65,16 @@ class Env:
     tokens: int
     dry_run: bool
     repeats: int
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """``{package or backend: why it is not here}`` (the bundle's ``not_carried``): the skip reason of its rows."""
 
     @classmethod
-    def make(cls, dry_run: bool, tokens: int | None = None) -> Env:
+    def make(cls, dry_run: bool, tokens: int | None = None, unavailable: dict[str, str] | None = None) -> Env:
         if dry_run:
-            return cls(torch.device("cpu"), torch.float32, tokens=tokens or 256, dry_run=True, repeats=1)
-        return cls(torch.device("cuda"), torch.bfloat16, tokens=tokens or 8192, dry_run=False, repeats=5)
+            return cls(torch.device("cpu"), torch.float32, tokens=tokens or 256, dry_run=True, repeats=1,
+                       unavailable=unavailable or {})
+        return cls(torch.device("cuda"), torch.bfloat16, tokens=tokens or 8192, dry_run=False, repeats=5,
+                   unavailable=unavailable or {})
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -118,8 +133,43 @@ def install_rows(timeout: float, *, dry_run: bool) -> list[dict]:
     return rows
 
 
+def bundle_rows(manifest: dict, site: Path | None, folder: Path) -> list[dict]:
+    """The offline bundle (benchmarks/gpu_bundle.py): each carried wheel intact (its sha256) and imported from
+    ``site`` at its pinned version, so it shadows the image's; each package that could not travel, skipped with why."""
+    rows = []
+    for entry in manifest["carried"]:
+        row = {"check": f"bundle {entry['name']}=={entry['version']}"}
+        try:
+            wheel = folder / "wheels" / entry["file"]
+            if hashlib.sha256(wheel.read_bytes()).hexdigest() != entry["sha256"]:
+                rows.append(row | {"status": f"error: {entry['file']} differs from the manifest's sha256"})
+                continue
+            distribution = importlib.metadata.distribution(entry["name"])
+            where = Path(distribution.locate_file("")).resolve()
+            if distribution.version != entry["version"] or (site is not None and where != site.resolve()):
+                rows.append(row | {"status": f"error: {entry['name']} {distribution.version} imports from {where}"})
+                continue
+            rows.append(row | {"status": "ok"})
+        except Exception as error:  # noqa: BLE001 - report and go on
+            rows.append(_error(row, error))
+    for module in ("transformers", "fla.ops.gated_delta_rule", "fla.ops.kda", "mamba_ssm.ops.triton.ssd_combined"):
+        row = {"check": f"bundle import {module}"}
+        try:
+            imported = importlib.import_module(module)
+            inside = site is None or Path(imported.__file__).resolve().is_relative_to(site.resolve())
+            rows.append(row | {"status": "ok" if inside else f"error: imported from {imported.__file__}"})
+        except Exception as error:  # noqa: BLE001
+            rows.append(_error(row, error))
+    return rows + [{"check": f"not carried: {name}", "status": f"skipped ({reason})"}
+                   for name, reason in manifest["not_carried"].items()]
+
+
+def _missing(env: Env, name: str, fallback: str) -> str:
+    return f"skipped ({env.unavailable.get(name, fallback)})"
+
+
 # ---------------------------------------------------------------------------------------------- attention
-def attention_rows(env: Env) -> list[dict]:
+def attention_rows(env: Env, rows: list[dict]) -> list[dict]:
     from packfree_plugin.attention.interface import run_packed_attention
     from packfree_plugin.attention.reference import AttentionOptions
     from packfree_plugin.attention.varlen import VARLEN_BACKENDS
@@ -130,7 +180,6 @@ def attention_rows(env: Env) -> list[dict]:
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     boundaries = Boundaries.from_position_ids(positions.to(env.device))
     cpu_boundaries = Boundaries.from_position_ids(positions)
-    rows = []
     for head_dim in HEAD_DIMS:
         generator = torch.Generator().manual_seed(head_dim)
         q, k, v = (torch.randn(1, heads, tokens, head_dim, generator=generator).to(env.device, env.dtype)
@@ -156,7 +205,8 @@ def attention_rows(env: Env) -> list[dict]:
             for backend in VARLEN_BACKENDS:
                 row = base | {"backend": backend.name}
                 if env.dry_run or not backend.available():
-                    rows.append(row | {"status": "skipped (CUDA only)" if env.dry_run else "skipped (not available)"})
+                    rows.append(row | {"status": _missing(env, backend.name, "CUDA only" if env.dry_run
+                                                          else "not available")})
                     continue
                 try:
                     got = run_packed_attention(q, k, v, boundaries, options, backend=backend.name)
@@ -228,18 +278,20 @@ def _op_cases(env: Env) -> list[tuple[str, Callable[[str], torch.Tensor]]]:
             ("fla chunk_kda (cu_seqlens)", kda), ("mamba-ssm mamba_chunk_scan_combined (seq_idx)", ssd)]
 
 
-def op_rows(env: Env) -> list[dict]:
+def op_rows(env: Env, rows: list[dict]) -> list[dict]:
     """Each CUDA kernel route against packfree's torch path on the same packed inputs."""
-    rows = []
     for name, make in _op_cases(env):
         row = {"check": name, "tokens": env.tokens}
         try:
             reference = make("torch")
             reference.float().sum().backward()
+            if env.dry_run:  # no CUDA call: the kernel side is the GPU's
+                rows.append(row | {"status": _missing(env, name.split()[0], "CUDA only")})
+                continue
             try:
                 routed = make("kernel")
             except ValueError as missing:
-                rows.append(row | {"status": f"skipped ({missing})"[:160]})
+                rows.append(row | {"status": _missing(env, name.split()[0], str(missing))[:160]})
                 continue
             diff = (routed.float() - reference.float()).abs().max().item()
             scale = reference.float().abs().max().item()
@@ -280,16 +332,27 @@ def _flash_attn_installed() -> bool:
     return True
 
 
+def transformers_model(config: Any, implementation: str, env: Env, masked: bool = False):
+    """transformers' own class for ``config``'s type, in ``env``'s dtype and device, training. By class, not through
+    the auto classes: importing fla (its routes do) registers fla's own Mamba2 under ``"mamba2"``."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    mapping = (modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES if masked
+               else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    model_class = getattr(transformers, mapping[config.model_type])
+    return model_class._from_config(config, attn_implementation=implementation, dtype=env.dtype).to(env.device).train()
+
+
 def _stock_model(model_type: str, config: dict[str, Any], implementation: str, env: Env):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+    from packfree_plugin.tiny import transformers_config
 
-    cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, vocab_size=4096, **config)
     torch.manual_seed(0)
-    auto = AutoModelForMaskedLM if model_type == "modernbert" else AutoModelForCausalLM
-    return auto.from_config(cfg, attn_implementation=implementation, dtype=env.dtype).to(env.device).train()
+    cfg = transformers_config(model_type, num_hidden_layers=2, vocab_size=4096, **config)
+    return transformers_model(cfg, implementation, env, masked=model_type == "modernbert")
 
 
-def stock_rows(env: Env) -> list[dict]:
+def stock_rows(env: Env, rows: list[dict]) -> list[dict]:
     """packfree's packed row and stock's packed paths against stock sdpa on each sample alone."""
     from transformers import DataCollatorWithFlattening
 
@@ -300,7 +363,6 @@ def stock_rows(env: Env) -> list[dict]:
     lengths = skewed_lengths(tokens)
     ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(5))
     features = [{"input_ids": piece.tolist()} for piece in ids.split(lengths)]
-    rows = []
     for name, (model_type, config) in STOCK_MODELS.items():
         encoder = model_type == "modernbert"
         collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
@@ -320,7 +382,7 @@ def stock_rows(env: Env) -> list[dict]:
                                       ("stock flash_attention_2 + collator", "flash_attention_2")):
             row = {"check": f"stock {name}", "backend": label, "tokens": tokens}
             if implementation == "flash_attention_2" and (env.dry_run or not _flash_attn_installed()):
-                rows.append(row | {"status": "skipped (flash-attn not installed)"})
+                rows.append(row | {"status": _missing(env, "flash-attn", "flash-attn not installed")})
                 continue
             try:
                 model = _stock_model(model_type, config, implementation, env)
@@ -357,11 +419,9 @@ def stock_rows(env: Env) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- compiled
-def compiled_rows(env: Env) -> list[dict]:
-    """``torch.compile`` of one packed training step (Llama, Qwen3-Next, Mamba2) against eager, and graphs per
-    forward (inductor on the GPU, ``aot_eager`` in a dry run)."""
-    from transformers import AutoModelForCausalLM
-
+def compiled_rows(env: Env, rows: list[dict]) -> list[dict]:
+    """``torch.compile`` of one packed training step (Llama, Qwen3-Next, Mamba2) against eager: loss, gradients,
+    graphs per forward and step time over eager's (inductor on the GPU, ``aot_eager`` in a dry run)."""
     import packfree_plugin
     from packfree_plugin.tiny import tiny_config
     from packfree_plugin.gate.audit import packed_row
@@ -369,13 +429,11 @@ def compiled_rows(env: Env) -> list[dict]:
     packfree_plugin.register()
     backend = "aot_eager" if env.dry_run else "inductor"
     tokens = min(env.tokens, 1000)
-    rows = []
     for model_type in ("llama", "qwen3_next", "mamba2"):
         row = {"check": f"compiled packed step {model_type} ({backend})", "tokens": tokens}
         try:
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="packfree",
-                                                     dtype=env.dtype).to(env.device).train()
+            model = transformers_model(tiny_config(model_type), "packfree", env)
             samples = [torch.randint(3, 128, (n,)) for n in skewed_lengths(tokens)]
             batch = {k: v.to(env.device) for k, v in packed_row(samples).items()}
 
@@ -388,7 +446,9 @@ def compiled_rows(env: Env) -> list[dict]:
 
             eager_loss, eager_grads = step(model)
             torch._dynamo.reset()
-            compiled_loss, compiled_grads = step(torch.compile(model, backend=backend))
+            compiled = torch.compile(model, backend=backend)
+            compiled_loss, compiled_grads = step(compiled)
+            eager_s, compiled_s = env.timed(lambda: step(model)), env.timed(lambda: step(compiled))
             graphs = {"runs": 0}
 
             def counting(graph_module, example_inputs):
@@ -408,7 +468,8 @@ def compiled_rows(env: Env) -> list[dict]:
             scale = max(g.abs().max().item() for g in eager_grads)
             ok = abs(compiled_loss - eager_loss) < 2e-2 and diff <= 5e-2 * max(scale, 1e-3) and graphs["runs"] <= 2
             rows.append(row | {"status": "ok" if ok else "MISMATCH", "max_diff": diff,
-                               "loss_diff": abs(compiled_loss - eager_loss), "graphs_per_forward": graphs["runs"]})
+                               "loss_diff": abs(compiled_loss - eager_loss), "graphs_per_forward": graphs["runs"],
+                               "ms": compiled_s * 1e3, "x_eager_time": compiled_s / eager_s})
         except Exception as error:  # noqa: BLE001 - report and go on
             rows.append(_error(row, error))
     return rows
@@ -425,7 +486,69 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-CHECKS = {"attention": attention_rows, "ops": op_rows, "stock": stock_rows, "compiled": compiled_rows}
+def ranks_row(env: Env) -> dict:
+    """One packed row over ranks needs a second GPU: none has been lent (one chip), so this row says so."""
+    count = 0 if env.dry_run else torch.cuda.device_count()
+    reason = "dry run" if env.dry_run else (
+        f"{count} GPU here: one packed row over ranks needs 2" if count < 2
+        else f"{count} GPUs here, but no over-ranks check is built yet: only one GPU has been lent so far")
+    return {"check": "one packed row over 2 ranks", "status": f"skipped ({reason})"}
+
+
+CHECKS: dict[str, Callable[[Env, list[dict]], list[dict]]] = {
+    "attention": attention_rows, "ops": op_rows, "stock": stock_rows, "compiled": compiled_rows}
+BUDGET_SHARES = {"attention": 0.15, "ops": 0.3, "stock": 0.2, "compiled": 0.35}
+"""Each check's share of ``--budget``: past it, the rows it finished stay and the next check runs."""
+
+
+class OverBudget(BaseException):
+    """A check ran past its share of ``--budget`` (a BaseException, so no check's own ``except`` swallows it)."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise OverBudget
+
+
+def run_check(name: str, env: Env, seconds: float | None) -> list[dict]:
+    """The rows of check ``name``; past ``seconds`` (SIGALRM) those it finished, then one row saying it stopped."""
+    rows: list[dict] = []
+    previous = signal.signal(signal.SIGALRM, _on_alarm) if seconds else None
+    if seconds:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        CHECKS[name](env, rows)
+    except OverBudget:
+        torch._dynamo.reset()
+        rows.append({"check": name, "status": f"skipped (over its {seconds:.0f} s share of --budget; "
+                                              f"the {len(rows)} rows above finished)"})
+    except Exception:  # noqa: BLE001 - report and go on
+        rows.append({"check": name, "status": "error: " + traceback.format_exc(limit=2)[-300:]})
+    finally:
+        if seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return rows
+
+
+def write(out: Path, header: str, rows: list[dict]) -> None:
+    """``out/gpu.md`` and ``out/gpu.json`` (rewritten after every check, so a killed run leaves what finished)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.md").write_text(header + markdown(rows) + "\n")
+    (out / "gpu.json").write_text(json.dumps({"header": header, "torch": torch.__version__, "rows": rows},
+                                             indent=2))
+
+
+def _header(args: argparse.Namespace, manifest: dict | None) -> str:
+    import packfree_plugin
+
+    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name()
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = "not installed"
+    bundle = f", bundle of commit {manifest['commit']}" if manifest else ""
+    return (f"# packfree GPU check\n\ndevice: {device}, torch {torch.__version__}, transformers {transformers}, "
+            f"Python {sys.version.split()[0]}, packfree from {Path(packfree_plugin.__file__).parent}{bundle}\n\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,29 +557,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu-results", help="folder for gpu.md and gpu.json")
     parser.add_argument("--install", action="store_true", help="pip-install fla and the optional CUDA wheels first")
     parser.add_argument("--install-timeout", type=float, default=120.0, help="seconds per package")
+    parser.add_argument("--bundle", type=Path, help="the offline bundle's manifest.json (gpu-bundle/run.sh)")
+    parser.add_argument("--site", type=Path, help="where run.sh installed the bundle's wheels")
+    parser.add_argument("--budget", type=float, help="seconds for all checks, shared by BUDGET_SHARES (default "
+                        "420 on a GPU, none in a dry run)")
     parser.add_argument("--only", choices=list(CHECKS), action="append", help="run only these checks")
     parser.add_argument("--tokens", type=int, help="tokens per packed row (default 8192, dry run 256)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (use --dry-run to exercise the script on the CPU)")
         return 0
-    env = Env.make(args.dry_run, args.tokens)
-    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name()
+    budget = args.budget if args.budget is not None else (None if args.dry_run else 420.0)
+    manifest = json.loads(args.bundle.read_text()) if args.bundle else None
+    env = Env.make(args.dry_run, args.tokens, unavailable=manifest["not_carried"] if manifest else None)
+    out, header = Path(args.out), _header(args, manifest)
     rows = install_rows(args.install_timeout, dry_run=args.dry_run) if args.install else []
-    for name, check in CHECKS.items():
+    if manifest:
+        rows += bundle_rows(manifest, args.site, args.bundle.parent)
+    write(out, header, rows)
+    for name in CHECKS:
         if args.only and name not in args.only:
             continue
         start = time.perf_counter()
-        try:
-            rows.extend(check(env))
-        except Exception:  # noqa: BLE001 - report and go on
-            rows.append({"check": name, "status": "error: " + traceback.format_exc(limit=2)[-300:]})
+        rows += run_check(name, env, budget * BUDGET_SHARES[name] if budget else None)
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = f"# packfree GPU check\n\ndevice: {device}, torch {torch.__version__}\n\n"
-    (out / "gpu.md").write_text(header + markdown(rows) + "\n")
-    (out / "gpu.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=2))
+        write(out, header, rows)
+    rows.append(ranks_row(env))
+    write(out, header, rows)
     print(header + markdown(rows))
     return 1 if any(str(row.get("status", "")).startswith(("MISMATCH", "error")) for row in rows) else 0
 

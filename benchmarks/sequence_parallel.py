@@ -1,19 +1,20 @@
-"""One long packed row split over 2 ranks (DeepSpeed Ulysses + packfree, gloo on the CPU) against one process.
+"""One long packed row split over 4 ranks (DeepSpeed Ulysses + packfree, gloo on the CPU) against one process.
 
-A Llama-shaped model (:data:`CONFIG`, float32, random weights) trains on one packed row of :data:`TOKENS` tokens
-(samples of 64..1024 tokens, as ``DataCollatorWithFlattening`` packs them): first in one process (packfree, no
-sequence parallelism), then on 2 ranks, each holding half the row (``register_ulysses``, ``shard_batch``,
-``shard_loss``). Both runs are in this one bench run, each in fresh processes, every process with one CPU thread
-(each rank stands for one device; the one process for one device of the same kind).
+Two model shapes (:data:`SHAPES`, float32, random weights: a Llama and a Qwen3-Next of Gated DeltaNet + attention
+layers) train on one packed row of :data:`TOKENS` tokens (samples of 64..1024 tokens, as
+``DataCollatorWithFlattening`` packs them): first in one process (packfree, no sequence parallelism), then on
+:data:`WORLD` ranks, each holding a quarter of the row (``register_ulysses``, ``shard_batch``, ``shard_loss``). Every
+run is in this one bench run, each in fresh processes, every process with one CPU thread (each rank stands for one
+device; the one process for one device of the same kind).
 
 - **peak activation memory**: each process's peak resident memory during its training steps above its memory just
   before them (model, its gradient buffers and the batch built; the peak is reset there through
-  ``/proc/self/clear_refs``); for 2 ranks, the larger rank's.
-- **step time**: median forward + backward of the row (after a warm-up step): one process's time for the row
-  against the slower rank's.
+  ``/proc/self/clear_refs``); for the ranks, the largest rank's.
+- **step time**: forward + backward of the row after a warm-up step (the median of the repeats): one process's time
+  for the row against the slowest rank's.
 - the losses of both runs (equal to float32 rounding: ``tests/parallel`` checks every gradient).
 
-``python -m benchmarks.sequence_parallel [--quick]``; needs deepspeed (``nox -s bench`` installs it).
+``python -m benchmarks.sequence_parallel [--quick] [--tokens N ...]``; needs deepspeed (a test dependency).
 """
 
 from __future__ import annotations
@@ -29,13 +30,22 @@ import sys
 import tempfile
 import time
 
-TOKENS = 16384
-QUICK_TOKENS = 4096
-WORLD = 2
-CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=32, vocab_size=8192, max_position_embeddings=TOKENS)
-"""A small Llama: 4 layers, width 256, 8 query / 4 key-value heads of 32, vocabulary 8192 (the logits of a long row
-dominate activation memory in real models too)."""
+TOKENS = (16384,)
+"""Rows measured by default. 65,536 tokens (``--tokens 16384 65536``) needs about 4x the 16k peak in the one process
+(some 14 GB for the Llama shape), more than a small shared machine has free."""
+QUICK_TOKENS = (4096,)
+WORLD = 4
+_COMMON = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=32, vocab_size=8192)
+SHAPES: dict[str, dict] = {
+    "llama": dict(_COMMON),
+    "qwen3_next": dict(_COMMON, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_value_heads=8,
+                       linear_num_key_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=0,
+                       mlp_only_layers=[0, 1, 2, 3]),
+}
+"""4 layers, width 256, 8 query / 4 key-value attention heads of 32, vocabulary 8192 (the logits of a long row
+dominate activation memory in real models too); Qwen3-Next: 3 Gated DeltaNet layers (8 value / 4 key heads of 32)
+and 1 attention layer, dense MLPs."""
 
 
 def _peak_mib() -> float:
@@ -54,7 +64,7 @@ def _reset_peak() -> None:
         refs.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
 
 
-def packed_row(tokens: int) -> dict:
+def packed_row(tokens: int, vocab_size: int) -> dict:
     """``[1, tokens]`` ids, position_ids and labels of random samples of 64..1024 tokens, packed."""
     import torch
     from transformers import DataCollatorWithFlattening
@@ -63,12 +73,12 @@ def packed_row(tokens: int) -> dict:
     samples, total = [], 0
     while total < tokens:
         length = min(int(torch.randint(64, 1025, (1,), generator=generator)), tokens - total)
-        samples.append({"input_ids": torch.randint(3, CONFIG["vocab_size"], (length,), generator=generator).tolist()})
+        samples.append({"input_ids": torch.randint(3, vocab_size, (length,), generator=generator).tolist()})
         total += length
     return dict(DataCollatorWithFlattening()(samples))
 
 
-def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, shape: str, tokens: int, repeats: int, out: str) -> None:
     """One process of a run (``world`` 1: the baseline, no sequence parallelism); writes ``out.<rank>``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -76,21 +86,18 @@ def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, out: st
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    import deepspeed
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from packfree_plugin.parallel import register_ulysses, shard_batch, shard_loss
+    from packfree_plugin.parallel import init_deepspeed, register_ulysses, shard_batch, shard_loss
     from packfree_plugin.registration import register
 
-    # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU ranks at start-up; Ulysses needs gloo's all-to-all
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed("gloo")
     register()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="packfree",
-                                             dtype=torch.float32).train()
+    config = AutoConfig.for_model(shape, **SHAPES[shape], max_position_embeddings=tokens)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="packfree", dtype=torch.float32).train()
     group = register_ulysses(model, world).get_sequence_parallel_group() if world > 1 else None
-    inputs, targets = shard_batch(packed_row(tokens), rank, world)
+    inputs, targets = shard_batch(packed_row(tokens, config.vocab_size), rank, world)
 
     def step() -> float:
         model.zero_grad(set_to_none=False)  # gradients stay allocated between steps, as in training
@@ -125,14 +132,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, tokens: int, repeats: int) -> list[dict]:
+def measure(world: int, shape: str, tokens: int, repeats: int) -> list[dict]:
     """Run ``world`` fresh processes on one row; each one's result."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         out, port = os.path.join(folder, "result"), _free_port()
-        processes = [context.Process(target=_worker, args=(rank, world, port, tokens, repeats, out))
+        processes = [context.Process(target=_worker, args=(rank, world, port, shape, tokens, repeats, out))
                      for rank in range(world)]
         for process in processes:
             process.start()
@@ -153,44 +160,51 @@ def measure(world: int, tokens: int, repeats: int) -> list[dict]:
         return results
 
 
-def run(quick: bool = False) -> list[dict]:
-    tokens = QUICK_TOKENS if quick else TOKENS
+def run(quick: bool = False, tokens: tuple[int, ...] | None = None) -> list[dict]:
+    rows_of = tokens or (QUICK_TOKENS if quick else TOKENS)
     if importlib.util.find_spec("deepspeed") is None:
-        return [{"tokens": tokens, "note": "not run: needs deepspeed (nox -s bench installs it)"}]
-    repeats = 1 if quick else 3
-    alone, = measure(1, tokens, repeats)
-    ranks = measure(WORLD, tokens, repeats)
-    memory = max(rank["peak_extra_mib"] for rank in ranks)
-    seconds = max(rank["seconds"] for rank in ranks)
-    return [{
-        "tokens": tokens, "ranks": WORLD, "one_process_peak_extra_mib": alone["peak_extra_mib"],
-        "per_rank_peak_extra_mib": memory, "memory_ratio": memory / alone["peak_extra_mib"],
-        "one_process_seconds": alone["seconds"], "two_rank_seconds": seconds, "time_ratio": seconds / alone["seconds"],
-        "one_process_loss": alone["loss"], "two_rank_loss": ranks[0]["loss"],
-        "per_rank_mib": [rank["peak_extra_mib"] for rank in ranks],
-    }]
+        return [{"tokens": rows_of[0], "note": "not run: needs deepspeed (a test dependency)"}]
+    repeats = 1 if quick else 2
+    rows = []
+    for length in rows_of:
+        for shape in SHAPES:
+            alone, = measure(1, shape, length, repeats)
+            ranks = measure(WORLD, shape, length, repeats)
+            memory = max(rank["peak_extra_mib"] for rank in ranks)
+            seconds = max(rank["seconds"] for rank in ranks)
+            rows.append({
+                "shape": shape, "tokens": length, "ranks": WORLD,
+                "one_process_peak_extra_mib": alone["peak_extra_mib"], "per_rank_peak_extra_mib": memory,
+                "memory_ratio": memory / alone["peak_extra_mib"], "one_process_seconds": alone["seconds"],
+                "ranks_seconds": seconds, "time_ratio": seconds / alone["seconds"], "one_process_loss": alone["loss"],
+                "ranks_loss": ranks[0]["loss"], "per_rank_mib": [rank["peak_extra_mib"] for rank in ranks],
+            })
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    row = rows[0]
-    if "note" in row:
-        return f"{row['tokens']} tokens: {row['note']}"
-    layers, width = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
-    return "\n".join([
-        f"Llama-shaped, {layers} layers, width {width}, vocabulary {CONFIG['vocab_size']}, float32; one packed row of "
-        f"{row['tokens']} tokens; one CPU thread per process.",
+    if "note" in rows[0]:
+        return f"{rows[0]['tokens']} tokens: {rows[0]['note']}"
+    lines = [
+        f"Shapes: {', '.join(SHAPES)} (benchmarks/sequence_parallel.py SHAPES), float32; one packed row; one CPU "
+        f"thread per process; {WORLD} ranks against 1 process.",
         "",
-        "| | 1 process | 2 ranks (per rank, the larger) | 2 ranks / 1 process |",
-        "|---|---:|---:|---:|",
-        f"| peak activation memory, MiB | {row['one_process_peak_extra_mib']:.0f} | {row['per_rank_peak_extra_mib']:.0f} "
-        f"| {row['memory_ratio']:.2f}x |",
-        f"| step (fwd+bwd), s | {row['one_process_seconds']:.2f} | {row['two_rank_seconds']:.2f} "
-        f"| {row['time_ratio']:.2f}x |",
-        f"| loss | {row['one_process_loss']:.6f} | {row['two_rank_loss']:.6f} | |",
-    ])
+        "| shape | tokens | peak activation MiB, 1 process | per rank (largest) | ratio | step s, 1 process | "
+        f"{WORLD} ranks (slowest) | ratio | loss, 1 process / ranks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['shape']} | {row['tokens']} | {row['one_process_peak_extra_mib']:.0f} | "
+            f"{row['per_rank_peak_extra_mib']:.0f} | {row['memory_ratio']:.2f}x | {row['one_process_seconds']:.2f} | "
+            f"{row['ranks_seconds']:.2f} | {row['time_ratio']:.2f}x | {row['one_process_loss']:.6f} / "
+            f"{row['ranks_loss']:.6f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens, one repeat")
-    print(markdown(run(quick=parser.parse_args().quick)), file=sys.stdout)
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"row lengths (default {TOKENS})")
+    arguments = parser.parse_args()
+    print(markdown(run(quick=arguments.quick, tokens=tuple(arguments.tokens or ()) or None)), file=sys.stdout)

@@ -41,12 +41,10 @@ def main() -> None:
                         help="set by DeepSpeed's launcher (the rank is read from the environment, as torchrun sets it)")
     args = parser.parse_args()
 
-    import deepspeed
-
-    from packfree_plugin.parallel import register_ulysses, shard_batch, shard_loss
+    from packfree_plugin.parallel import init_deepspeed, register_ulysses, shard_batch, shard_loss
     from packfree_plugin.tiny import load_model
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_deepspeed()  # deepspeed.init_distributed (NCCL on CUDA, else gloo) without its CPU start-up build
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

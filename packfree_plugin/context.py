@@ -3,9 +3,10 @@ one per-thread stack from which every consumer that transformers' ``**kwargs`` d
 
 How boundaries flow through one forward (docs/how-it-works.md draws the same picture)::
 
-    model(**batch)
-      _model_pre_hook ........ reads the batch once (_read_batch -> boundaries_for_call), pushes the
-      |                        Boundaries, adds packfree_boundaries= to the call's **kwargs
+    model(**batch) or model.forward(**batch)
+      model_entry ............ the model's instance forward: enter_model reads the batch once (_read_batch ->
+      |                        boundaries_for_call), pushes the Boundaries, adds packfree_boundaries= to the
+      |                        call's **kwargs; then the entry's steps and the model's own forward
       |- mask function ....... attention.interface.packfree_attention_mask returns boundaries_here(rows=(B, T))
       |- attention ........... attention.interface.packfree_attention_forward gets it as attention_mask
       |- decoder layer ....... _layer_pre_hook pushes boundaries_here(kwargs) for the mixers inside
@@ -13,13 +14,13 @@ How boundaries flow through one forward (docs/how-it-works.md draws the same pic
       |   |   |- native tier . adapters.routes.native_forward pushes a NativeCall; each routed kernel
       |   |                    reads native_call() and runs the packfree op with its boundaries
       |   |- checkpointing ... _carry_through_checkpoint re-pushes them when backward recomputes the layer
-      _model_post_hook ....... pops
+      leave_model ............ pops
 
 Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
 kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
-outermost hook reads the batch, a graph break at the very start of a compiled forward. A nested model
+outermost entry reads the batch, a graph break at the very start of a compiled forward. A nested model
 whose inputs are its own (a vision tower, a seq2seq decoder) reads its own boundaries, or has none. An
-encoder-decoder's hook also reads the decoder's boundaries (``decoder_position_ids``) and pairs them with the
+encoder-decoder's entry also reads the decoder's boundaries (``decoder_position_ids``) and pairs them with the
 encoder's (:class:`~packfree_plugin.boundaries.Seq2SeqBoundaries`); its decoder then runs on those. A caller who builds
 the boundaries ahead and passes ``packfree_boundaries`` gets no break at all (``fullgraph=True``).
 
@@ -53,19 +54,24 @@ __all__ = [
     "ForwardParameters",
     "NativeCall",
     "VISUAL_TOKEN_KEYS",
-    "apply_model_hook",
     "boundaries_for_call",
     "boundaries_here",
     "class_forward_parameters",
+    "enter_model",
     "enter_native",
     "exit_native",
+    "hook_layers",
     "in_prepared_forward",
+    "is_prepared",
+    "leave_model",
+    "mark_prepared",
     "native_call",
     "tensor_leaves",
+    "unhook_layers",
     "without_cache",
 ]
 
-_HANDLES_ATTR = "_packfree_model_hook_handles"
+_HANDLES_ATTR = "_packfree_layer_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
 _LAYERS_ATTR = "_packfree_hooked_layers"
 _CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
@@ -110,9 +116,23 @@ def _current() -> Boundaries | None:
 
 
 def in_prepared_forward() -> bool:
-    """Whether a forward of a model prepared by packfree is in progress on this thread (its hook pushed an entry,
+    """Whether a forward of a model prepared by packfree is in progress on this thread (its entry pushed one,
     None included: a decoding step)."""
     return bool(_STACK.items)
+
+
+_PREPARED_ATTR = "_packfree_prepared"
+
+
+def mark_prepared(model: nn.Module) -> None:
+    """Mark every module of ``model`` as part of a model packfree prepared (copies and pickles keep the mark)."""
+    for module in model.modules():
+        module.__dict__[_PREPARED_ATTR] = True
+
+
+def is_prepared(module: nn.Module) -> bool:
+    """Whether ``module`` belongs to a model packfree prepared (:func:`mark_prepared`)."""
+    return module.__dict__.get(_PREPARED_ATTR, False)
 
 
 _ANY_ROWS = object()
@@ -281,6 +301,8 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         return None
     batch_size, seq_len = tokens.shape[0], tokens.shape[1]
+    if batch_size == 0 or seq_len == 0:
+        return None  # no tokens, nothing to keep apart: the model runs as stock
     past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
     if _cache_holds_tokens(past):
         given = _packing_signs(arguments)
@@ -348,9 +370,11 @@ def _check_labels(labels: Any, boundaries: Boundaries) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------ model hooks
-def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Push this forward's boundaries. Traced by torch.compile, without reading the batch: boundaries passed
+# ------------------------------------------------------------------------------------ model entry
+def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Push this forward's boundaries (exactly one entry when it returns, none when it raises; pair it with
+    :func:`leave_model`) and return the call's arguments as the model's forward must see them. Run by every prepared
+    model's forward (:mod:`.model_entry`). Traced by torch.compile, without reading the batch: boundaries passed
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
     (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
@@ -361,8 +385,8 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
         mask = kwargs["attention_mask"]
         kwargs = {**kwargs, "attention_mask": None}
         if class_forward_parameters(type(module)).var_keyword is None:
-            _push(mask)  # first: the post-hook pops even when the check raises
             _check_given(mask, _call_tokens(args, kwargs))
+            _push(mask)
             return args, kwargs
         kwargs.setdefault("packfree_boundaries", mask)
     boundaries = kwargs.get("packfree_boundaries")
@@ -373,16 +397,21 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
             # boundaries through the **kwargs: it gets boundaries from its own inputs, or none
             kwargs = {name: value for name, value in kwargs.items() if name != "packfree_boundaries"}
             return _read_batch(module, args, kwargs)
-        _push(boundaries)  # first: the post-hook pops even when the check raises
         _check_given(boundaries, tokens)
-        if len(_STACK.items) == 1:  # built ahead by the caller, whose ids these are
+        if not _STACK.items:  # built ahead by the caller, whose ids these are
             boundaries.callers_position_ids = kwargs.get("position_ids")
+        _push(boundaries)
         return args, kwargs
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
         return _read_batch(module, args, kwargs)
     _push(boundaries)
     return args, kwargs
+
+
+def leave_model() -> None:
+    """Pop what :func:`enter_model` pushed."""
+    _pop()
 
 
 def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -438,10 +467,8 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
 def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Build the boundaries from the call's inputs and push them (pushes first: the post-hook pops even when
-    the inputs are refused)."""
+    """Build the boundaries from the call's inputs and push them (nothing is pushed when the inputs are refused)."""
     outer = _current()
-    _push(None)
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
     seq2seq = bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
@@ -471,7 +498,7 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             kwargs["position_ids"] = boundaries.position_ids
     if boundaries is not None:
         refuse_packed_rows_under_context_parallel(boundaries.is_packed)
-    _STACK.items[-1] = boundaries
+    _push(boundaries)
     return args, kwargs
 
 
@@ -595,8 +622,9 @@ def _check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     )
 
 
+# ------------------------------------------------------------------------------------ layer hooks
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Pop what the model or decoder-layer pre-hook pushed (runs even when the forward raised)."""
+    """Pop what the decoder-layer pre-hook pushed (runs even when the forward raised)."""
     _pop()
 
 
@@ -615,7 +643,7 @@ def _carry_in_layers(model: nn.Module) -> None:
     """Wrap the checkpoint function of every checkpointing decoder layer of ``model`` before its first call.
     (transformers < 5.24 checkpoints a layer's ``__call__``, so the checkpoint function is taken before the
     layer's own pre-hook could wrap it, and the first step's recomputation would run without boundaries.)
-    The hooked decoder layers are listed once per model (:func:`apply_model_hook`), not found per forward."""
+    The hooked decoder layers are listed once per model (:func:`hook_layers`), not found per forward."""
     layers = model.__dict__.get(_LAYERS_ATTR)
     if layers is None:  # a model prepared by an earlier packfree, or a nested model called on its own
         layers = model.__dict__[_LAYERS_ATTR] = _hooked_layers(model)
@@ -627,10 +655,7 @@ def _carry_in_layers(model: nn.Module) -> None:
 
 def _hooked_layers(model: nn.Module) -> tuple[nn.Module, ...]:
     """The decoder layers of ``model`` that carry packfree's layer hooks."""
-    from transformers import PreTrainedModel
-
-    return tuple(module for module in model.modules()
-                 if hasattr(module, _HANDLES_ATTR) and not isinstance(module, PreTrainedModel))
+    return tuple(module for module in model.modules() if _HANDLES_ATTR in module.__dict__)
 
 
 @torch.compiler.disable  # once per layer, when gradient checkpointing is first seen
@@ -655,13 +680,14 @@ def _carry_through_checkpoint(checkpoint: Any) -> Any:
 
         return checkpoint(run, *args, **kwargs)
 
-    setattr(carrying, _CARRIES_ATTR, True)
+    setattr(carrying, _CARRIES_ATTR, checkpoint)  # the function it wraps, restored by unhook_layers
     return carrying
 
 
-def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
-    """Hook every ``PreTrainedModel`` in ``model`` and, with ``layer_hooks``, every decoder layer (which only
-    models with sequence mixers need); idempotent. Returns how many modules were newly hooked."""
+def hook_layers(model: nn.Module) -> int:
+    """Hook every decoder layer (``GradientCheckpointingLayer``) of ``model``, which only models with sequence mixers
+    or layer-level position biases need, and list them on every ``PreTrainedModel`` inside; idempotent. Returns how
+    many layers were newly hooked."""
     # here, not at the top: registration (which imports this module) runs while transformers.modeling_layers
     # may still be importing
     from transformers import PreTrainedModel
@@ -669,21 +695,25 @@ def apply_model_hook(model: nn.Module, *, layer_hooks: bool = True) -> int:
 
     hooked = 0
     for module in model.modules():
-        if hasattr(module, _HANDLES_ATTR):
+        if _HANDLES_ATTR in module.__dict__ or not isinstance(module, GradientCheckpointingLayer):
             continue
-        if isinstance(module, PreTrainedModel):
-            pre_hook = _model_pre_hook
-        elif layer_hooks and isinstance(module, GradientCheckpointingLayer):
-            pre_hook = _layer_pre_hook
-        else:
-            continue
-        handles = (
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        module.__dict__[_HANDLES_ATTR] = (
+            module.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True),
             module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         )
-        setattr(module, _HANDLES_ATTR, handles)
         hooked += 1
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             module.__dict__[_LAYERS_ATTR] = _hooked_layers(module)
     return hooked
+
+
+def unhook_layers(model: nn.Module) -> None:
+    """Undo :func:`hook_layers` on ``model``: the layer hooks removed, their checkpoint functions restored."""
+    for module in model.modules():
+        for handle in module.__dict__.pop(_HANDLES_ATTR, ()):
+            handle.remove()
+        checkpoint = module.__dict__.get("_gradient_checkpointing_func")
+        if checkpoint is not None and hasattr(checkpoint, _CARRIES_ATTR):
+            module._gradient_checkpointing_func = getattr(checkpoint, _CARRIES_ATTR)
+        module.__dict__.pop(_LAYERS_ATTR, None)

@@ -16,7 +16,9 @@ Boundary fields (the collator's output contract):
 - ``seq_idx``: ``[B, T]``, int32, the segment each token belongs to, counted over the flattened batch
   (``seq_idx == k`` exactly on ``cu[k]:cu[k+1]``). With ``rows_per_batch=1`` there is no padding and segment
   ``k`` is the ``k``-th non-empty feature, as in :class:`transformers.DataCollatorWithFlattening`.
-- ``position_ids``: ``[B, T]``, int64, restarting at 0 at every segment start (padding spans too).
+- ``position_ids``: ``[B, T]``, int64, restarting at ``position_ids_start`` (default 0) at every segment start
+  (padding spans too). RoBERTa-style models number a lone sample from ``padding_idx + 1``: pass that as
+  ``position_ids_start`` (as ``DataCollatorWithFlattening(position_ids_start=...)``) to number each packed sample so.
 - ``max_length_q`` / ``max_length_k``: python ints, the longest segment (padding spans included).
 
 With ``rows_per_batch=1`` the output equals ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
@@ -245,8 +247,8 @@ class PackedCollator:
 
     ``rows_per_batch=B > 1``: ``B`` rows of exactly ``T = max_tokens`` tokens. Samples are assigned to rows by
     :func:`pack_best_fit_decreasing` (within a row they keep the order they came in); the tail of each row
-    is padding (``pad_token_id``, labels ``label_pad``, position_ids ``0, 1, ...`` so it is a segment of its
-    own), and ``attention_mask`` (``[B, T]``, int64, 0 on padding) is emitted only when some row is padded.
+    is padding (``pad_token_id``, labels ``label_pad``, position_ids ``start, start + 1, ...`` so it is a segment
+    of its own), and ``attention_mask`` (``[B, T]``, int64, 0 on padding) is emitted only when some row is padded.
     Rows left without samples are one padding segment each.
 
     Output (see the module docstring for the boundary fields): ``input_ids [B, T]`` int64, ``labels [B, T]``
@@ -260,6 +262,8 @@ class PackedCollator:
         pad_token_id: input id of padding tokens.
         label_pad: label of padding tokens and of every sample's first token.
         return_seq_idx / return_flash_attn_kwargs / return_position_ids: emit those fields.
+        position_ids_start: keyword-only; the first position id of every segment (0; ``padding_idx + 1`` for
+            RoBERTa-style models, ``2`` for RoBERTa itself, which then numbers each sample as it numbers it alone).
         truncate: keyword-only; cut samples longer than ``max_tokens`` to ``max_tokens`` instead of raising.
 
     Features are mappings with ``input_ids`` (list, tensor or array of ints) and optional ``labels`` of the
@@ -277,7 +281,10 @@ class PackedCollator:
         return_position_ids: bool = True,
         *,
         truncate: bool = False,
+        position_ids_start: int = 0,
     ) -> None:
+        if isinstance(position_ids_start, bool) or not isinstance(position_ids_start, int) or position_ids_start < 0:
+            raise ValueError(f"position_ids_start must be an int >= 0, got {position_ids_start!r}")
         if isinstance(rows_per_batch, bool) or not isinstance(rows_per_batch, int) or rows_per_batch < 1:
             raise ValueError(f"rows_per_batch must be a positive int, got {rows_per_batch!r}")
         if max_tokens is not None:
@@ -294,6 +301,7 @@ class PackedCollator:
         self.return_flash_attn_kwargs = return_flash_attn_kwargs
         self.return_position_ids = return_position_ids
         self.truncate = truncate
+        self.position_ids_start = position_ids_start
 
     def _samples(self, features: Sequence[Mapping[str, Any]]) -> list[tuple[list[int], list[int] | None]]:
         if isinstance(features, Mapping) or not isinstance(features, Sequence) or len(features) == 0:
@@ -362,7 +370,7 @@ class PackedCollator:
                 ids, own_labels = samples[i]
                 r_ids += ids
                 r_labels += [self.label_pad] + (ids if own_labels is None else own_labels)[1:]
-                r_pos += range(len(ids))
+                r_pos += range(self.position_ids_start, self.position_ids_start + len(ids))
                 r_seq += [len(segments)] * len(ids)
                 segments.append(len(ids))
             real = len(r_ids)
@@ -370,7 +378,7 @@ class PackedCollator:
             if pad:
                 r_ids += [self.pad_token_id] * pad
                 r_labels += [self.label_pad] * pad
-                r_pos += range(pad)
+                r_pos += range(self.position_ids_start, self.position_ids_start + pad)
                 r_seq += [len(segments)] * pad
                 segments.append(pad)
             input_ids.append(r_ids)

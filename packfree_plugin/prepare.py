@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from .adapters.heads import wrap_heads
-from .adapters.positions import reads_boundaries_in_layers, wrap_positions
-from .adapters.mixers import check_coverage, wrap_mixers
+from .adapters.heads import unwrap_heads, wrap_heads
+from .adapters.positions import reads_boundaries_in_layers, unwrap_positions, wrap_positions
+from .adapters.mixers import check_coverage, unwrap_mixers, wrap_mixers
 from .compat import check_transformers_version
-from .context import apply_model_hook
 from .gate import admit
+from .integrations import sentence_transformers
+from .model_entry import apply_model_hook, remove_model_hook
 from .registration import ATTN_IMPLEMENTATION, register
 
-__all__ = ["apply"]
+__all__ = ["apply", "release"]
 
 
 def apply(model: nn.Module) -> nn.Module:
@@ -36,11 +37,25 @@ def apply(model: nn.Module) -> nn.Module:
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)  # registration's wrapper prepares it: this, once more
     check_coverage(model)
     admit(model)  # verified exact, proved exact on a tiny copy, or refused (packfree_plugin.gate)
     mixers = wrap_mixers(model)
     wrap_heads(model)
     apply_model_hook(model, layer_hooks=bool(mixers) or reads_boundaries_in_layers(model))
-    wrap_positions(model)  # after the model hook: per-sample positions read the boundaries it pushes
+    wrap_positions(model)
+    sentence_transformers.install_if_imported()
+    return model
+
+
+def release(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (``set_attn_implementation`` away from ``"packfree"`` calls it): every entry, hook and
+    instance forward packfree gave ``model``'s modules removed, so it runs exactly as stock. Returns ``model``."""
+    remove_model_hook(model)
+    unwrap_heads(model)
+    unwrap_positions(model)
+    unwrap_mixers(model)
+    for module in model.modules():  # what packfree cached on its modules (stock configs, chunk sizes, marks)
+        for name in [name for name in module.__dict__ if name.startswith("_packfree_")]:
+            del module.__dict__[name]
     return model

@@ -3,8 +3,11 @@
 :func:`register` (idempotent) adds ``"packfree"`` to ``AttentionInterface`` and ``AttentionMaskInterface``
 and wraps ``PreTrainedModel.post_init`` so that every model built with
 ``attn_implementation="packfree"`` (``from_pretrained``, ``from_config``, a constructor) is prepared by
-:func:`packfree_plugin.apply` as soon as it exists, and its attention check so that models choosing their
-attention class from a table of implementations find a ``"packfree"`` entry (:mod:`.adapters.families`).
+:func:`packfree_plugin.apply` as soon as it exists, its attention check so that models choosing their
+attention class from a table of implementations find a ``"packfree"`` entry (:mod:`.adapters.families`), and
+``set_attn_implementation``, so that a model switched to ``"packfree"`` after loading is prepared the same way (the
+load-time proof included) or refused with its reason and left as it was, and one switched away from it is released
+(:func:`packfree_plugin.prepare.release`) to run as stock.
 :func:`unregister` undoes all of it.
 """
 
@@ -23,6 +26,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "register", "unregister", "is_registered"]
 ATTN_IMPLEMENTATION = "packfree"
 _ORIGINAL_POST_INIT = "_packfree_original_post_init"
 _ORIGINAL_CHECK = "_packfree_original_check_attn"
+_ORIGINAL_SET = "_packfree_original_set_attn"
 
 
 def _uses_packfree(model: PreTrainedModel) -> bool:
@@ -73,9 +77,47 @@ def register() -> None:
     setattr(PreTrainedModel, _ORIGINAL_CHECK, original_check)
     PreTrainedModel._check_and_adjust_attn_implementation = check_attn_implementation
 
+    original_set = PreTrainedModel.set_attn_implementation
+
+    @functools.wraps(original_set)
+    def set_attn_implementation(self: PreTrainedModel, attn_implementation, *args, **kwargs):
+        _switch(self, original_set, attn_implementation, *args, **kwargs)
+
+    setattr(PreTrainedModel, _ORIGINAL_SET, original_set)
+    PreTrainedModel.set_attn_implementation = set_attn_implementation
+
+
+def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **kwargs) -> None:
+    """transformers' ``set_attn_implementation``, then: prepare a model switched to packfree (or put every config back
+    and raise), release one switched away from it."""
+    from .model_entry import has_entry
+    from .prepare import release
+
+    configs = {id(module.config): module.config for module in model.modules() if isinstance(module, PreTrainedModel)}
+    before = {key: config._attn_implementation_internal for key, config in configs.items()}
+    original_set(model, attn_implementation, *args, **kwargs)
+    prepared = has_entry(model)
+    if _uses_packfree(model) and not prepared:
+        try:
+            from . import apply
+
+            apply(model)
+        except BaseException:
+            release(model)
+            for key, config in configs.items():
+                config._attn_implementation_internal = before[key]
+            raise
+    elif prepared and not _uses_packfree(model):
+        release(model)
+    elif attn_implementation == ATTN_IMPLEMENTATION and not _uses_packfree(model):
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation after loading (transformers: it does "
+            "not follow the AttentionInterface). Load it with attn_implementation='packfree'"
+        )
+
 
 def unregister() -> None:
-    """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s two wrapped methods, the kernel functions
+    """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s three wrapped methods, the kernel functions
     of modeling modules that packfree routed (:mod:`.adapters.routes`) and their attention-class tables."""
     from .adapters.families import remove_implementation_entries
     from .adapters.routes import uninstall_routes
@@ -86,7 +128,8 @@ def unregister() -> None:
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     for name, original_name in (("post_init", _ORIGINAL_POST_INIT),
-                                 ("_check_and_adjust_attn_implementation", _ORIGINAL_CHECK)):
+                                 ("_check_and_adjust_attn_implementation", _ORIGINAL_CHECK),
+                                 ("set_attn_implementation", _ORIGINAL_SET)):
         original = PreTrainedModel.__dict__.get(original_name)
         if original is not None:
             setattr(PreTrainedModel, name, original)

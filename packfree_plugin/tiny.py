@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config"]
+__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config", "tiny_tokenizer"]
 
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -38,8 +38,6 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
     shrunk by :func:`packfree_plugin.gate.shrink.tiny_config_for` (every distinct layer kind kept; ``overrides``
     set on top). ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth; shrunk: as many layers as
     cover every layer kind)."""
-    from transformers import AutoConfig
-
     from .catalogue import CATALOGUE, catalogue_config
     from .gate.shrink import tiny_config_for
 
@@ -59,12 +57,21 @@ def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64
             kwargs["mlp_only_layers"] = list(range(num_hidden_layers))
         if model_type == "mamba2" and "num_heads" not in overrides:  # heads * head_dim must be hidden * expand
             kwargs["num_heads"] = kwargs["hidden_size"] * kwargs["expand"] // kwargs["head_dim"]
-        return AutoConfig.for_model(model_type, **kwargs)
+        return transformers_config(model_type, **kwargs)
     config = tiny_config_for(model_type)
     for name, value in {"vocab_size": vocab_size, "hidden_size": hidden_size, **overrides}.items():
         if getattr(config, name, value) != value:
             setattr(config, name, value)
     return config
+
+
+def transformers_config(model_type: str, /, **values: Any):
+    """A config of transformers' own class for ``model_type``. ``AutoConfig.for_model`` builds fla's once fla is
+    imported: fla registers its own config classes under ``mamba``, ``mamba2`` and others."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(**values)
 
 
 def is_model_dir(target: str) -> bool:
@@ -103,3 +110,24 @@ def load_model(target: str, attn_implementation: str, *, dtype: torch.dtype = to
     torch.manual_seed(seed)
     config = tiny_config(target)
     return auto_class(config).from_config(config, **kwargs).eval()
+
+
+TOKENIZER_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+"""Ids 0-3 of :func:`tiny_tokenizer`, matching the tiny configs' ``pad=0, bos=1, eos=2``."""
+
+
+def tiny_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` whose ids fit the tiny configs' 128-token vocabulary:
+    ``<pad> <bos> <eos> <unk>`` are 0-3, printable ASCII characters 4-98, anything else ``<unk>``. For trainers
+    (TRL's) that take text and tokenise it themselves."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {token: index for index, token in enumerate(TOKENIZER_SPECIALS)}
+    for code in range(32, 127):
+        vocabulary[chr(code)] = len(vocabulary)
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    pad, bos, eos, unk = TOKENIZER_SPECIALS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
+                                   unk_token=unk)

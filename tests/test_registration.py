@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import packfree_plugin
 from packfree_plugin.registration import ATTN_IMPLEMENTATION
+from packfree_plugin.model_entry import has_entry
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,17 +55,18 @@ def test_models_loaded_with_packfree_are_hooked_and_others_are_not() -> None:
     packfree_plugin.register()
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="packfree")
     stock = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
-    assert all(hasattr(m, "_packfree_model_hook_handles") for m in (model, model.model))
-    assert not hasattr(stock, "_packfree_model_hook_handles")
+    assert all(has_entry(m) for m in (model, model.model))
+    assert not has_entry(stock) and not has_entry(stock.model)
 
 
 def test_apply_switches_and_hooks_a_model_loaded_otherwise() -> None:
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     assert packfree_plugin.apply(model) is model
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-    assert hasattr(model.model, "_packfree_model_hook_handles")
+    assert has_entry(model.model)
+    entry = model.forward
     packfree_plugin.apply(model)  # idempotent
-    assert len(model._packfree_model_hook_handles) == 2
+    assert model.forward is entry and entry.args == (model,)
 
 
 def test_boundaries_are_built_once_per_forward(monkeypatch) -> None:
@@ -102,7 +104,7 @@ FRESH_CHECK = textwrap.dedent(
         packed = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]])).logits
         alone = model(input_ids=ids[:, 4:]).logits
         report["max_diff"] = (packed[:, 4:] - alone).abs().max().item()
-        report["hooked"] = hasattr(config_model, "_packfree_model_hook_handles")
+        report["hooked"] = type(config_model.__dict__.get("forward")).__name__ == "ModelForward"
         report["packfree_file"] = __import__("packfree_plugin").__file__
     print(json.dumps(report))
     """

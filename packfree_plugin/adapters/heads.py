@@ -18,7 +18,7 @@ every head class against each sample alone on stock, and refuse those that do no
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,8 +26,9 @@ from torch import nn
 
 from ..boundaries import Boundaries
 from ..context import boundaries_here, class_forward_parameters
+from ..model_entry import set_call
 
-__all__ = ["first_token_index", "last_token_index", "wrap_heads"]
+__all__ = ["first_token_index", "last_token_index", "unwrap_heads", "wrap_heads"]
 
 _HOOKED = "_packfree_head_hooks"
 
@@ -125,9 +126,9 @@ def _labels_per_sample(labels: Any, boundaries: Boundaries, name: str) -> None:
         )
 
 
-def _head_forward(model: nn.Module, *args, **kwargs):
-    """The forward of a wrapped head (``functools.partial(_head_forward, model)`` in its ``__dict__``)."""
-    forward = functools.partial(type(model).forward, model)
+def _head_forward(model: nn.Module, forward: Callable, *args, **kwargs):
+    """A wrapped head's call in its model entry (:func:`packfree_plugin.model_entry.set_call`; ``forward``: the
+    head's own)."""
     boundaries = boundaries_here(kwargs, packed=True)
     if boundaries is None:
         return forward(*args, **kwargs)
@@ -173,11 +174,15 @@ def wrap_heads(model: nn.Module) -> int:
     for module in model.modules():
         if not _is_sequence_head(module) or getattr(module, "base_model", module) is module:
             continue
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _head_forward:
-            continue
         if not _is_last_token_head(module) and not hasattr(module, _HOOKED):
             _hook_first_token_head(module)
-        module.forward = functools.partial(_head_forward, module)
+        set_call(module, _head_forward)
         wrapped += 1
     return wrapped
+
+
+def unwrap_heads(model: nn.Module) -> None:
+    """Remove the hooks :func:`wrap_heads` added (the calls go with the model entries)."""
+    for module in model.modules():
+        for handle in module.__dict__.pop(_HOOKED, ()):
+            handle.remove()

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..context import ForwardParameters
 
-__all__ = ["install", "own_forward", "own_parameters", "replaced_by"]
+__all__ = ["install", "own_forward", "own_parameters", "replaced_by", "uninstall"]
 
 _PARAMETERS: dict[type, ForwardParameters] = {}
 """Module class -> parameters of its class's ``forward``."""
@@ -41,6 +41,19 @@ def install(module: nn.Module, function: Callable, *, tag: str = "") -> None:
         module.__dict__[parameters_attr] = ForwardParameters.of(module.__dict__["forward"])
     own_parameters(module, tag=tag)  # read the forward's parameters now, outside any compiled region
     module.forward = functools.partial(function, module)
+
+
+def uninstall(module: nn.Module, function: Callable, *, tag: str = "") -> None:
+    """Undo :func:`install` of ``function``: the forward the module had before comes back (none: its class's)."""
+    if replaced_by(module) is not function:
+        return
+    forward_attr, parameters_attr = _earlier(tag)
+    earlier = module.__dict__.pop(forward_attr, None)
+    module.__dict__.pop(parameters_attr, None)
+    if earlier is not None:
+        module.__dict__["forward"] = earlier
+    else:
+        del module.__dict__["forward"]
 
 
 def own_forward(module: nn.Module, *, tag: str = "") -> Callable:

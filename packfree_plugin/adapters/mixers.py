@@ -31,10 +31,10 @@ from ..ops._nonfinite import Quarantine
 from . import encoders, families
 from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
-from .instance import install, own_forward, own_parameters
+from .instance import install, own_forward, own_parameters, uninstall
 from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
-__all__ = ["check_coverage", "wrap_mixers"]
+__all__ = ["check_coverage", "unwrap_mixers", "wrap_mixers"]
 
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
@@ -256,6 +256,13 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
             routed_kernels_of(module)
         wrapped.append((path, adapter.tier))
     return wrapped
+
+
+def unwrap_mixers(model: nn.Module) -> None:
+    """Undo :func:`wrap_mixers`: every mixer runs its own forward again (the kernel routes stay: they run stock's
+    kernels outside a packed call)."""
+    for module in model.modules():
+        uninstall(module, _mixer_forward)
 
 
 _RECURRENT_PARAMETERS = frozenset({"A_log", "dt_bias", "time_decay", "time_first", "recurrent_param", "a_param"})

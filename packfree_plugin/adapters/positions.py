@@ -58,16 +58,19 @@ from ..attention.interface import RELATIVE_POSITION_BIAS
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import boundaries_here, class_forward_parameters
 from .generic import run_unpacked
-from .instance import install, own_forward, own_parameters
+from ..model_entry import add_step
+from .instance import install, own_forward, own_parameters, uninstall
 from .entry import additive_mask, register_by_class_name
+from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
 
 __all__ = ["CAUSAL_SELF_ATTENTION", "DENSE_MASK_ATTENTION", "POSITION_ADAPTERS", "REFUSED_ON_PACKED_ROWS",
            "SHIFTED_DECODER_INPUTS", "DenseMaskAttention", "PositionAdapter", "dense_cross_mask",
-           "reads_boundaries_in_layers", "register_position_adapter", "wrap_positions"]
+           "numbering_of", "reads_boundaries_in_layers", "register_position_adapter", "unwrap_positions",
+           "wrap_positions"]
 
 _TAG = "position_"
 """Keeps these instance forwards apart from the mixers' (:mod:`.instance`)."""
-_DECODER_HOOK = "_packfree_decoder_inputs_hook"
+_STOCK_IS_CAUSAL = "_packfree_stock_is_causal"
 
 Rule = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(module, own_forward, boundaries, bound_arguments) -> output`` for a packed row."""
@@ -252,6 +255,7 @@ def _position_forward(module: nn.Module, *args, **kwargs):
 def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Boundaries,
             arguments: dict[str, Any]) -> Any:
     if numbering != "per_sample" and _callers_ids(arguments.get("position_ids"), boundaries):
+        check_callers_ids(module, numbering, arguments["position_ids"], boundaries)  # 0-based ids on RoBERTa: said
         return forward(**arguments)  # read token by token: each sample takes its own slice of the caller's ids
     return RULES[numbering](module, forward, boundaries, arguments)
 
@@ -290,10 +294,10 @@ def _shift_per_sample(shift: Callable[[torch.Tensor], torch.Tensor], input_ids: 
 
 
 @torch.compiler.disable  # reads the packing on the host: a graph break, not a recompile per packing
-def _decoder_inputs_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def _decoder_inputs_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """On a packed row without decoder inputs, pass the per-sample shift of the argument the model would shift
-    (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (runs after packfree's model hook has pushed this
-    forward's boundaries). ``labels`` are cut by the decoder's own boundaries where the batch has them
+    (:data:`SHIFTED_DECODER_INPUTS`) as ``decoder_input_ids`` (a step of the model's entry, run after it has pushed
+    this forward's boundaries). ``labels`` are cut by the decoder's own boundaries where the batch has them
     (``decoder_position_ids``), else by the encoder's."""
     source_name = SHIFTED_DECODER_INPUTS[type(module).__name__]
     parameters = class_forward_parameters(type(module))
@@ -480,21 +484,54 @@ def wrap_positions(model: nn.Module) -> list[str]:
     :data:`DENSE_MASK_ATTENTION` the mask it can read (or a refusal), every self-attention of
     :data:`CAUSAL_SELF_ATTENTION` ``is_causal``, every model of :data:`SHIFTED_DECODER_INPUTS` its
     per-sample decoder inputs, and every T5-style layer that owns a relative bias its per-sample bias
-    (idempotent; call after
-    :func:`packfree_plugin.context.apply_model_hook`, whose hook must run first). Returns the wrapped paths."""
+    (idempotent). Returns the wrapped paths."""
     wrapped = []
     for path, module in model.named_modules():
         name = type(module).__name__
         if name in CAUSAL_SELF_ATTENTION:
-            module.get_submodule(CAUSAL_SELF_ATTENTION[name]).is_causal = True
+            attention = module.get_submodule(CAUSAL_SELF_ATTENTION[name])
+            if _STOCK_IS_CAUSAL not in attention.__dict__:
+                attention.__dict__[_STOCK_IS_CAUSAL] = attention.__dict__.get("is_causal")
+            attention.is_causal = True
         if name in RELATIVE_POSITION_BIAS and getattr(module, "has_relative_attention_bias", False):
             module.compute_bias = functools.partial(_sample_bias, module)
-        if name in SHIFTED_DECODER_INPUTS and not hasattr(module, _DECODER_HOOK):
-            setattr(module, _DECODER_HOOK, module.register_forward_pre_hook(_decoder_inputs_pre_hook,
-                                                                            with_kwargs=True))
+        if name in SHIFTED_DECODER_INPUTS:
+            add_step(module, _decoder_inputs_step)
         replacement = _replacement(name)
         if replacement is None:
             continue
         install(module, replacement, tag=_TAG)
+        if name in POSITION_ADAPTERS:
+            mark(module, model, path)
         wrapped.append(path)
     return wrapped
+
+
+def numbering_of(model: nn.Module) -> Numbering:
+    """How ``model`` numbers a lone sample called without ``position_ids``: from where its first position module
+    of :data:`POSITION_ADAPTERS` that does not start at 0 starts (RoBERTa: ``padding_idx + 1``), else from 0 where
+    the model takes ``position_ids``, else not by ids."""
+    for path, module in model.named_modules():
+        adapter = POSITION_ADAPTERS.get(type(module).__name__)
+        if adapter is not None:
+            numbering = lone_sample_numbering(module, adapter.numbering, path)
+            if numbering.start:
+                return numbering
+    return Numbering(0 if "position_ids" in inspect.signature(type(model).forward).parameters else None)
+
+
+def unwrap_positions(model: nn.Module) -> None:
+    """Undo :func:`wrap_positions` on ``model`` (the decoder-input steps go with the model entries)."""
+    for module in model.modules():
+        replacement = _replacement(type(module).__name__)
+        if replacement is not None:
+            uninstall(module, replacement, tag=_TAG)
+        compute_bias = module.__dict__.get("compute_bias")
+        if isinstance(compute_bias, functools.partial) and compute_bias.func is _sample_bias:
+            del module.__dict__["compute_bias"]
+        if _STOCK_IS_CAUSAL in module.__dict__:
+            stock = module.__dict__.pop(_STOCK_IS_CAUSAL)
+            if stock is None:
+                del module.__dict__["is_causal"]
+            else:
+                module.is_causal = stock

@@ -25,7 +25,7 @@ from transformers.masking_utils import and_masks, sdpa_mask
 
 from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import boundaries_here, in_prepared_forward
+from ..context import boundaries_here, in_prepared_forward, is_prepared
 from ..opaque import boundary_function
 from ..unpacked import slices_its_mask
 from .reference import AttentionOptions, eager_attention
@@ -234,10 +234,18 @@ def packfree_attention_forward(
     # (no boundaries: its forward took this same path) recomputes as it ran. (The engine's graph task id is -1
     # outside backward.)
     if not in_prepared_forward() and torch._C._current_graph_task_id() == -1:
+        name = type(module).__name__
+        if is_prepared(module):
+            raise ValueError(
+                f"{name} runs packfree attention outside its model's forward (a layer or a module below the model "
+                "called on its own), so nothing reads its batch's boundaries. Call the model itself: model(...) or "
+                "model.forward(...)"
+            )
         raise ValueError(
-            f"{type(module).__name__} runs packfree attention in a model packfree has not prepared (for example one "
-            "switched with set_attn_implementation('packfree') after loading), so nothing reads its batch's "
-            "boundaries. Call packfree_plugin.apply(model) once, or load it with attn_implementation='packfree'"
+            f"{name} runs packfree attention in a model packfree has not prepared (its attention implementation "
+            "was set to 'packfree' without transformers' set_attn_implementation, or packfree was unregistered), so "
+            "nothing reads its batch's boundaries. Call packfree_plugin.apply(model) once, or load it with "
+            "attn_implementation='packfree'"
         )
     return _masked_attention(module, query, key, value, attention_mask, options, training=training,
                              position_bias=position_bias, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.numbering import quiet
 from ..context import tensor_leaves
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]
@@ -111,7 +112,7 @@ def record_outputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str
 
         handles.append(module.register_forward_hook(hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet():  # 0-based ids on purpose: no numbering warning
             model(**batch)
     finally:
         for handle in handles:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.numbering import quiet
 from ..context import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
@@ -249,7 +250,7 @@ def prove(model: nn.Module, stock: nn.Module, *, stock_name: str = "sdpa", lengt
     for mode in MODES:
         batch = with_decoder_inputs(model, packed_batch(samples, mode))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), quiet():  # 0-based ids on purpose, on a copy of the user's class: no warning
                 packed = main_output(model(**batch))
         except Exception as error:  # noqa: BLE001 - any failure on a packed row is the verdict
             proof.mode, proof.error = mode, f"{type(error).__name__}: {error}"

@@ -5,7 +5,7 @@ from .batch import shard_batch, shard_loss
 from .prepare import layout_of, prepare_sequence_parallel
 from .shard import SequenceShard
 from ..torch_cp import torch_context_parallel_active
-from .ulysses import register_ulysses
+from .ulysses import init_deepspeed, register_ulysses
 
-__all__ = ["SequenceShard", "layout_of", "prepare_sequence_parallel", "register_ulysses", "shard_batch", "shard_loss",
+__all__ = ["SequenceShard", "init_deepspeed", "layout_of", "prepare_sequence_parallel", "register_ulysses", "shard_batch", "shard_loss",
            "torch_context_parallel_active"]

@@ -40,13 +40,19 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, c
         labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), IGNORE)], dim=1)
     if pad:
         tokens = torch.cat([tokens, tokens.new_full((batch_size, pad), pad_token_id)], dim=1)
-        filler = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device).expand(batch_size, pad)
-        position_ids = torch.cat([position_ids, filler], dim=1)
+        position_ids = torch.cat([position_ids, _filler_positions(position_ids, pad)], dim=1)
         labels = torch.cat([labels, labels.new_full((batch_size, pad), IGNORE)], dim=1)
     width = (seq_len + pad) // world_size
     mine = slice(rank * width, (rank + 1) * width)
     inputs = {"input_ids": tokens[:, mine], "position_ids": position_ids[:, mine]}
     return inputs, labels[:, mine]
+
+
+def _filler_positions(position_ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """``[B, pad]`` positions of the padding sample that ends every row: 0, 1, ... (a sample of its own; positions
+    continuing the row's last sample would make the filler part of it, and a bidirectional model attends to it)."""
+    batch_size = position_ids.shape[0]
+    return torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device).expand(batch_size, pad)
 
 
 def shard_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -42,6 +42,8 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str]] = {
     "packfree.ssd_chunk_scan": ((TOKENS, TOKENS, PARAMS, GROUPS, GROUPS, PARAMS, TOKENS, PARAMS), TOKENS),
     # u, delta, A [D, N], B, C, D [D], z, delta_bias [D]
     "packfree.selective_scan": ((CHANNELS, CHANNELS, PARAMS, SHARED, SHARED, PARAMS, CHANNELS, PARAMS), CHANNELS),
+    "packfree.decay_linear_attention": ((TOKENS,) * 3 + (PARAMS,), TOKENS),  # MiniMax: q, k, v, log_decay [H]
+    "packfree.rg_lru": ((TOKENS,) * 3, TOKENS),  # RecurrentGemma: x, input_gate, log_decay [B, T, D], per channel
 }
 
 _DIMS = {TOKENS: (1, 2), CHANNELS: (2, 1)}  # role -> (sequence dim, head dim)

@@ -15,10 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.entry import adapter_for
+from ..adapters.forwards import lightning_forward, rg_lru_forward
 from ..adapters.positions import POSITION_ADAPTERS
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
-from ..context import apply_model_hook, boundaries_here, class_forward_parameters, without_cache
+from ..context import boundaries_here, class_forward_parameters, without_cache
+from ..model_entry import add_step, apply_model_hook
 from ..unpacked import PACKING_KWARGS
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
@@ -26,6 +28,9 @@ from .shard import SequenceShard
 __all__ = ["check_splittable", "layout_of", "prepare_sequence_parallel"]
 
 _HOOK_ATTR = "_packfree_sequence_parallel"
+HEAD_PARALLEL_FORWARDS = (native_forward, lightning_forward, rg_lru_forward)
+"""Adapter forwards whose every token-mixing step is a routed op with a head-parallel layout (:data:`.heads.LAYOUTS`):
+the native tier's routes, MiniMax's lightning attention, RecurrentGemma's conv + RG-LRU."""
 
 
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -89,11 +94,13 @@ def check_splittable(model: nn.Module) -> None:
     for path, module in model.named_modules():
         kind = type(module).__name__
         adapter = adapter_for(type(module))
-        if adapter is not None and adapter.native is not native_forward:
+        if adapter is not None and adapter.native not in HEAD_PARALLEL_FORWARDS:
             raise ValueError(
-                f"{path} ({kind}): packfree runs only routed mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short "
-                f"convs) sequence-parallel, head by head; its {adapter.family} adapter would read the shard as the row. "
-                "Use data parallelism (DDP/FSDP, one packed row per rank) for this model"
+                f"{path} ({kind}): its {adapter.family} adapter runs the layer's recurrence on the shard's tokens "
+                "alone (per sample, not through packfree's routed ops, the ones that run head-parallel over the whole "
+                "row), and a sample that began on another rank is not on this shard; packfree splits only routed "
+                "mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short convs, lightning attention, RG-LRU). Use data "
+                "parallelism (DDP/FSDP, one packed row per rank) for this model"
             )
         if kind in POSITION_ADAPTERS:
             raise ValueError(
@@ -113,10 +120,9 @@ def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None 
                          "deepspeed.init_distributed) before prepare_sequence_parallel")
     group = group if group is not None else dist.group.WORLD
     check_splittable(model)
-    apply_model_hook(model)  # packfree's own hook first: ours reads the boundaries it adds
+    apply_model_hook(model)  # packfree's own entry: the shard step runs in it, after it has added the boundaries
     outermost = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    if getattr(outermost, _HOOK_ATTR, None) is None:
-        outermost.register_forward_pre_hook(_shard_hook, with_kwargs=True)
+    add_step(outermost, _shard_hook)
     setattr(outermost, _HOOK_ATTR, group)
     return model
 

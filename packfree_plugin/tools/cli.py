@@ -66,7 +66,7 @@ def _demo_vlm(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import environment, parallel_layout, plan, render, sequence_parallel_support
+    from .doctor import environment, parallel_layout, plan, position_numbering, render, sequence_parallel_support
 
     print("## packages\n")
     for package, version in environment():
@@ -88,6 +88,7 @@ def _doctor(args: argparse.Namespace) -> int:
             continue
         print(render(plans))
         print(f"\none packed row split over ranks: {sequence_parallel_support(target)}")
+        print(f"positions of a lone sample: {position_numbering(target)}")
         if not all(p.boundary_safe for p in plans):
             status = 1
     return status

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..adapters.entry import MixerAdapter, adapter_for
 
-__all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "parallel_layout", "plan", "render", "sequence_parallel_support"]
+__all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "parallel_layout", "plan", "position_numbering", "render",
+           "sequence_parallel_support"]
 
 KERNEL_PACKAGES = {
     # import name: distribution name
@@ -186,7 +187,6 @@ def parallel_layout() -> list[tuple[str, str]]:
 def sequence_parallel_support(target: str) -> str:
     """Whether ``target``'s packed rows can be split over ranks (``"yes"``, else the set-up refusal's message)."""
     from ..parallel.prepare import check_splittable
-    from ..parallel.ulysses import refuse_latent_attention
     from ..registration import register
     from ..tiny import auto_class, load_config
 
@@ -196,7 +196,25 @@ def sequence_parallel_support(target: str) -> str:
         with torch.device("meta"):
             model = auto_class(config).from_config(config, attn_implementation="packfree")
         check_splittable(model)
-        refuse_latent_attention(model)
     except ValueError as error:
         return f"refused: {error}"
     return "yes (DeepSpeed Ulysses for attention, head-parallel mixers; docs/distributed.md)"
+
+
+def position_numbering(target: str) -> str:
+    """How ``target`` (model directory or model type) numbers a lone sample's positions: ``from 0``, ``from
+    padding_idx + 1 = N (...)``, ``from N, its position_ids buffer (...)`` or ``not by ids``
+    (:meth:`packfree_plugin.adapters.numbering.Numbering.describe`). Built on the meta device; a position buffer,
+    which has no values there, is made again on the CPU by the model's own initialisation."""
+    from ..adapters.positions import POSITION_ADAPTERS, numbering_of
+    from ..tiny import auto_class, load_config
+
+    config = load_config(target)
+    with torch.device("meta"):
+        model = auto_class(config).from_config(config, attn_implementation="eager")
+    for module in model.modules():
+        adapter = POSITION_ADAPTERS.get(type(module).__name__)
+        if adapter is not None and adapter.numbering == "position_buffer" and module.position_ids.is_meta:
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)
+    return numbering_of(model).describe()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapters.positions import numbering_of
 from ..gate import bypassed
 from ..gate.audit import AuditResult, audit
 from ..gate.proof import Proof, prove
@@ -29,6 +30,8 @@ class Verdict(AuditResult):
     """Packed samples against each sample alone on stock (None: not compared)."""
     alone_failure: str | None = None
     """Why the alone comparison could not run (stock failed on a sample alone)."""
+    numbering: str = ""
+    """How the model numbers a lone sample's positions (:meth:`~packfree_plugin.adapters.numbering.Numbering.describe`)."""
 
     @property
     def ok(self) -> bool:
@@ -40,6 +43,8 @@ class Verdict(AuditResult):
             lines.append(f"{self.attn_implementation}: against each sample alone: {self.alone.verdict()}")
         elif self.alone_failure is not None:
             lines.append(f"{self.attn_implementation}: not compared with each sample alone ({self.alone_failure})")
+        if self.numbering:
+            lines.append(f"positions of a lone sample: {self.numbering}")
         return "\n".join(lines)
 
 
@@ -54,7 +59,7 @@ def verify(target: str, *, lengths: Sequence[int] = (7, 5, 9, 6), reference: str
     """
     with bypassed():
         model = load_model(target, "packfree", dtype=dtype)
-    mine = Verdict(**vars(audit(model, lengths=lengths)))
+    mine = Verdict(**vars(audit(model, lengths=lengths)), numbering=numbering_of(model).describe())
     try:
         stock = load_model(target, reference or "sdpa", dtype=dtype)
     except ValueError:  # e.g. Mamba2 has no sdpa path: its stock implementation is eager

@@ -28,6 +28,18 @@ def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
     assert out.count("in the graph") >= 2 and "graph break" not in out  # GDN and attention both compile in-graph
 
 
+def test_doctor_says_how_each_model_numbers_positions(capsys) -> None:
+    """From ``padding_idx + 1`` (RoBERTa), from a position buffer (MRA's, read on the CPU: the model is built on the
+    meta device), from 0 (Llama), not by ids (Mamba2)."""
+    assert main(["doctor", "roberta", "mra", "llama", "mamba2"]) == 0
+    said = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("positions of a lone sample: ")]
+    assert len(said) == 4
+    assert said[0].startswith("from padding_idx + 1 = 2 (roberta.embeddings: RobertaEmbeddings)")
+    assert said[1].startswith("from 2, its position_ids buffer (") and "MraEmbeddings" in said[1]
+    assert said[2] == "from 0" and said[3].startswith("not by ids")
+
+
 def test_doctor_says_which_layers_run_outside_the_compiled_graph(capsys) -> None:
     assert main(["doctor", "rwkv"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "Rwkv" in line]

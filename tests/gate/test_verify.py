@@ -19,6 +19,23 @@ def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys, roberta_with
 def test_verify_passes_an_exact_model_on_both_checks() -> None:
     mine, stock = verify("llama")
     assert mine.ok and mine.alone.exact and stock is not None
+    assert mine.numbering == "from 0"
+
+
+def test_verify_says_how_the_model_numbers_positions(capsys) -> None:
+    """RoBERTa numbers a lone sample from ``padding_idx + 1``: verify says so (the proof and the audit pack 0-based ids
+    on purpose and stay silent about it), beside a model that takes no position ids."""
+    import warnings
+
+    from packfree_plugin.adapters.numbering import PositionNumberingWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PositionNumberingWarning)
+        assert main(["verify", "roberta", "--no-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "positions of a lone sample: from padding_idx + 1 = 2 (roberta.embeddings: RobertaEmbeddings)" in out
+    mine, _ = verify("mamba2", reference="")
+    assert mine.numbering.startswith("not by ids")
 
 
 def test_verify_runs_an_encoder_decoder_on_both_sides() -> None:

@@ -115,7 +115,8 @@ else:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kernels_smoke: the kernel-mode subset .ci/run runs (about a minute)")
+    config.addinivalue_line("markers", "kernels_smoke: a quick kernel-mode subset for editing (about a minute); "
+                                       "CI runs the whole mode")
 
 
 @pytest.fixture(autouse=True)

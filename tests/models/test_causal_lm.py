@@ -297,21 +297,18 @@ def test_unpacked_generate_with_cache_matches_stock(model_type: str) -> None:
                      what=f"{model_type} generate step {step}")
 
 
-def test_model_switched_to_packfree_after_loading_is_refused_until_applied() -> None:
-    """No load hook ran, so nothing read the batch's boundaries: packfree refuses to guess, and after
-    ``packfree_plugin.apply(model)`` the packed row is exact."""
+def test_model_switched_to_packfree_after_loading_is_prepared() -> None:
+    """``set_attn_implementation("packfree")`` prepares the model as loading with it does (tests/test_model_entry.py
+    holds the rest): its packed row is exact with the default ``use_cache=True``."""
     _, stock = build_pair("llama", reference="sdpa")
     model = build_pair("llama", reference="sdpa")[1]
     model.set_attn_implementation("packfree")
     lengths = [5, 3, 8]
     samples = random_samples(lengths)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"packfree_plugin.apply\(model\)"):
-        model(**packed_batch(samples, "position_ids"))
-    packfree_plugin.apply(model)
     with torch.no_grad():
-        logits = model(**packed_batch(samples, "position_ids")).logits[0]  # default use_cache=True
+        logits = model(**packed_batch(samples, "position_ids")).logits[0]
     for piece, expected in zip(logits.split(lengths), alone_logits(stock, samples)):
-        assert_close(piece, expected, atol=1e-9, rtol=0, what="model applied after switching")
+        assert_close(piece, expected, atol=1e-9, rtol=0, what="model switched after loading")
 
 
 def test_attention_with_a_mask_of_its_own_in_a_packed_forward_is_refused(monkeypatch) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +33,11 @@ def test_dry_run_runs_every_check_and_writes_one_folder(tmp_path):
     assert all(row["status"].startswith(allowed) for row in rows), [
         row for row in rows if not row["status"].startswith(allowed)]
     assert not [row["check"] for row in rows if row["status"].startswith("refused")]  # ModernBERT's window too
+    measured = [row for row in rows if row["status"].startswith(("ok", "MISMATCH", "differs"))
+                and not row["check"].startswith("install")]
+    assert measured and all(any(k.startswith("x_") and isinstance(row[k], float) for k in row) for row in measured), [
+        row["check"] for row in measured if not any(k.startswith("x_") for k in row)]
+    assert rows[-1] == {"check": "one packed row over 2 ranks", "status": "skipped (dry run)"}
     assert "| check |" in (out / "gpu.md").read_text()
 
 
@@ -51,3 +60,39 @@ def test_without_cuda_and_without_dry_run_nothing_runs(monkeypatch, tmp_path, ca
     assert gpu_check.main(["--out", str(tmp_path / "x")]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not (tmp_path / "x").exists()
+
+
+def test_a_check_past_its_budget_keeps_its_rows_and_the_next_checks_run(monkeypatch, tmp_path):
+    def slow(env, rows):
+        rows.append({"check": "slow, first row", "status": "ok"})
+        time.sleep(30)
+        rows.append({"check": "slow, never reached", "status": "ok"})
+
+    def fast(env, rows):
+        rows.append({"check": "fast", "status": "ok"})
+
+    monkeypatch.setattr(gpu_check, "CHECKS", {"attention": slow, "ops": fast, "stock": fast, "compiled": fast})
+    assert gpu_check.main(["--dry-run", "--budget", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    # the slow check's second row never came: it was stopped, and the next checks ran
+    assert [row["check"] for row in rows] == ["slow, first row", "attention", "fast", "fast", "fast",
+                                              "one packed row over 2 ranks"]
+    assert rows[1]["status"].startswith("skipped (over its 1 s share of --budget; the 1 rows above finished")
+
+
+def _manifest(tmp_path: Path, sha256: str, version: str) -> dict:
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "pytest.whl").write_bytes(b"wheel")
+    return {"carried": [{"name": "pytest", "version": version, "file": "pytest.whl", "sha256": sha256}],
+            "not_carried": {"flash-attn": "CUDA build"}}
+
+
+@pytest.mark.parametrize("case", ["intact", "sha256", "version", "site"])
+def test_bundle_rows_check_each_wheel_and_where_it_imports_from(tmp_path, case):
+    installed = importlib.metadata.distribution("pytest")
+    sha = hashlib.sha256(b"wheel").hexdigest() if case != "sha256" else "0" * 64
+    manifest = _manifest(tmp_path, sha, installed.version if case != "version" else "0.0.1")
+    site = Path(installed.locate_file("")) if case != "site" else tmp_path
+    rows = gpu_check.bundle_rows(manifest, site, tmp_path)
+    assert rows[0]["status"].startswith("ok" if case == "intact" else "error")
+    assert rows[-1] == {"check": "not carried: flash-attn", "status": "skipped (CUDA build)"}

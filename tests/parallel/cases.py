@@ -1,27 +1,30 @@
-"""Sequence-parallel runs on 2 CPU ranks (gloo, torch.multiprocessing) against one process on the same packed row.
+"""Sequence-parallel runs on 2 or 4 CPU ranks (gloo, torch.multiprocessing) against the stock model run on each
+sample alone.
 
-Each case packs one row, runs it in one process (the packed run packfree already proves equal to each sample alone),
-then on 2 ranks, each holding half the row; rank 0 saves the loss and every parameter's gradient summed over the
-ranks. Several cases share one spawn of the ranks (importing transformers dominates the cost).
+Each case packs one row and splits it over its ranks, each holding an equal part; rank 0 saves the loss and every
+parameter's gradient summed over the ranks. The reference runs the stock model (eager attention, same weights) on
+every sample alone and sums the samples' token losses over the row's target count. Both sides run in float64 with
+the modeling module's own float32 steps (RMSNorms, Qwen3-Next's delta rule) made float64 (:func:`float64_inside`).
+Several cases share one spawn of the ranks (importing transformers dominates the cost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
-import importlib
 import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-WORLD = 2
 
 
 @dataclass(frozen=True)
@@ -32,13 +35,28 @@ class Case:
     # "torch_cp": the whole row inside torch's context_parallel
     checkpointing: bool = False
     dtype: torch.dtype = torch.float64
-    plant: str | None = None  # "shard_edges": every shard's first token starts a sample (the bug this guards)
-    overrides: dict = field(default_factory=dict, hash=False)
+    plant: str | None = None  # a bug planted for this case (PLANTS)
+    overrides: tuple[tuple[str, object], ...] = ()  # config overrides
+    world: int = 2
 
     @property
     def name(self) -> str:
-        parts = [self.model_type, self.engine, "-".join(map(str, self.lengths)), str(self.dtype).removeprefix("torch.")]
-        return "/".join(parts + (["ckpt"] if self.checkpointing else []) + ([self.plant] if self.plant else []))
+        parts = [self.model_type, self.engine, f"{self.world}ranks", "-".join(map(str, self.lengths)),
+                 str(self.dtype).removeprefix("torch.")]
+        extra = [f"{key}={value}" for key, value in self.overrides]
+        return "/".join(parts + extra + (["ckpt"] if self.checkpointing else []) + ([self.plant] if self.plant else []))
+
+    def unplanted(self) -> Case:
+        return Case(self.model_type, self.lengths, self.engine, self.checkpointing, self.dtype, None, self.overrides,
+                    self.world)
+
+
+PLANTS = {
+    "shard_edges": "every shard's first token starts a sample",
+    "groups": "every rank reads the first Mamba2 B/C head groups, not its heads' own",
+    "filler": "shard_batch's padding filler continues the row's last sample",
+    "sinks": "every rank's attention takes the first heads' sinks, not its own heads'",
+}
 
 
 ENCODERS = {"bert"}
@@ -51,20 +69,63 @@ class Result:
     logits_dtype: torch.dtype
 
 
-
-FLOAT32_INSIDE = {"qwen3_next"}
-"""Model types that compute in float32 inside a float64 model (Qwen3-Next's RMSNorms cast to float32): a shard's
-matmuls round differently in the last float64 bit, and the float32 cast carries that to float32 rounding."""
-
-
 def tolerance(case: Case, result: Result) -> float:
-    """Relative tolerance of a comparison with one process: float64 to rounding; float32 where the model computes
-    (or casts its logits, as Mamba2's head does) in float32."""
-    exact = result.logits_dtype == torch.float64 and case.model_type not in FLOAT32_INSIDE
-    return 1e-10 if exact else 1e-5
+    """Relative tolerance of a comparison with the stock model: float64 to rounding; float32 where the model casts
+    its logits to float32 (Mamba2's head does) or runs in float32."""
+    return 1e-10 if result.logits_dtype == torch.float64 and case.dtype == torch.float64 else 1e-5
 
 
-def _model(case: Case) -> torch.nn.Module:
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling module sees it inside :func:`float64_inside`: ``torch.float32`` is float64."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> object:
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def float64_inside(model: torch.nn.Module) -> Iterator[None]:
+    """Make the float32 steps of ``model``'s modeling module (``x.to(torch.float32)`` in its RMSNorms, Qwen3-Next's
+    delta rule, float32 default arguments) and ``Tensor.float()`` anywhere float64 while a float64 model runs: in
+    float32 a row split over ranks and the samples run alone round differently (the matmuls' last float64 bit,
+    carried to float32 rounding). Float32 models run as they are."""
+    module = sys.modules[type(model).__module__]
+    if next(model.parameters()).dtype != torch.float64 or module.torch is not torch:
+        yield
+        return
+    defaults = _float32_defaults(module)
+    module.torch, torch.Tensor.float = _Float64Torch(), _to_float64
+    for function, values in defaults.items():
+        function.__defaults__ = tuple(torch.float64 if value is torch.float32 else value for value in values)
+    try:
+        yield
+    finally:
+        module.torch, torch.Tensor.float = torch, _TENSOR_FLOAT
+        for function, values in defaults.items():
+            function.__defaults__ = values
+
+
+def _float32_defaults(module: types.ModuleType) -> dict[types.FunctionType, tuple]:
+    """The functions and methods of ``module`` with a ``torch.float32`` default argument (RecurrentGemma's RG-LRU
+    scan: ``acc_dtype=torch.float32``, bound when the module loaded), and their defaults."""
+    functions = [value for value in vars(module).values() if isinstance(value, types.FunctionType)]
+    for cls in (value for value in vars(module).values() if isinstance(value, type)):
+        functions += [value for value in vars(cls).values() if isinstance(value, types.FunctionType)]
+    return {function: function.__defaults__ for function in functions
+            if function.__module__ == module.__name__ and torch.float32 in (function.__defaults__ or ())}
+
+
+_TENSOR_FLOAT = torch.Tensor.float
+
+
+def _to_float64(tensor: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+    """``Tensor.float()`` inside :func:`float64_inside` (Mamba's ``A_log.float()``, Mamba2's head's logits)."""
+    return tensor.to(torch.float64, memory_format=memory_format)
+
+
+def _model(case: Case, attn_implementation: str = "packfree") -> torch.nn.Module:
     from transformers import AutoModelForMaskedLM
 
     from packfree_plugin.registration import register
@@ -72,13 +133,13 @@ def _model(case: Case) -> torch.nn.Module:
 
     register()
     torch.manual_seed(0)
-    config = tiny_config(case.model_type, **case.overrides)
+    config = tiny_config(case.model_type, **dict(case.overrides))
     for name, value in config.to_dict().items():  # train mode (for checkpointing) without random dropout
         if "dropout" in name and isinstance(value, float):
             setattr(config, name, 0.0)
-    kwargs = dict(attn_implementation="packfree", dtype=case.dtype, experts_implementation="eager")
+    kwargs = dict(attn_implementation=attn_implementation, dtype=case.dtype, experts_implementation="eager")
     cls = AutoModelForMaskedLM if case.model_type in ENCODERS else auto_class(config)
-    model = cls.from_config(config, **kwargs)
+    model = cls.from_config(config, **kwargs).to(case.dtype)  # modules kept in float32 (routers, dt biases) too
     model.train()  # gradient checkpointing runs in train mode only
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -102,41 +163,63 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@functools.lru_cache(maxsize=None)
-def one_process(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
-    """The single-process packed run: the row's mean token loss (in the model's dtype) and the gradients (kept for
-    the module: a planted case compares with its unplanted twin's)."""
-    from packfree_plugin.boundaries import Boundaries
+def targets_of(case: Case, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[T]`` what each token of the packed row predicts: the next label for a causal LM (a sample's last token
+    predicts nothing: the next label is the -100 at the next sample's start), the label itself for an encoder."""
+    labels = batch["labels"][0]
+    if case.model_type in ENCODERS:
+        return labels
+    return torch.cat([labels[1:], labels.new_full((1,), -100)])
 
-    model = _model(case)
+
+@functools.lru_cache(maxsize=None)
+def stock_alone(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
+    """The reference: the stock model (eager attention, the packfree model's weights) on every sample of the row
+    alone, its token losses summed over the row's target count; the loss and every parameter's gradient."""
+    model = _model(case, "eager")
+    model.load_state_dict(_model(case).state_dict())
     batch = _batch(case)
-    labels = batch.pop("labels")
-    if len(case.lengths) == 1:
-        # One process runs a row of one sample stock (Qwen3-Next's stock delta rule computes in float32); its shards
-        # run packfree's packed ops, so this reference runs them too, on the whole row, in the model's dtype.
-        boundaries = Boundaries.from_position_ids(batch["position_ids"], device=batch["input_ids"].device)
-        boundaries.is_packed = True
-        batch.update(packfree_boundaries=boundaries, use_cache=False)
-    logits = model(**batch).logits
-    if case.model_type not in ENCODERS:  # token t predicts t + 1 (transformers' loss would cast to float32)
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-    loss.backward()
-    return loss.item(), _grads(model)
+    targets = targets_of(case, batch)
+    count = (targets != -100).sum()
+    total = 0.0
+    with float64_inside(model):
+        start = 0
+        for length in case.lengths:
+            mine = slice(start, start + length)
+            logits = model(input_ids=batch["input_ids"][:, mine], use_cache=False).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits.to(case.dtype), targets[mine], ignore_index=-100,
+                                                     reduction="sum") / count
+            loss.backward()
+            total += loss.item()
+            start += length
+    return total, _grads(model)
 
 
 def _plant(case: Case) -> None:
-    if case.plant == "shard_edges":
-        from packfree_plugin.parallel import prepare as shard
+    from packfree_plugin.parallel import batch, heads, ulysses
+    from packfree_plugin.parallel import prepare as shard
 
+    assert case.plant is None or case.plant in PLANTS, case.plant
+    if case.plant == "shard_edges":
         def shard_local(local: torch.Tensor, group) -> torch.Tensor:
             restarted = local.clone()
             restarted[:, 0] = 0  # the shard's first token taken as a sample start
-            parts = [torch.empty_like(restarted) for _ in range(WORLD)]
+            parts = [torch.empty_like(restarted) for _ in range(case.world)]
             dist.all_gather(parts, restarted, group=group)
             return torch.cat(parts, dim=-1)
 
         shard._gather_rows = shard_local
+    elif case.plant == "groups":
+        def first_groups(groups: int, heads_: int, world: int, rank: int, layer: str) -> slice:
+            mine = _GROUP_SLICE(groups, heads_, world, rank, layer)
+            return slice(0, mine.stop - mine.start)
+
+        heads._group_slice = first_groups
+    elif case.plant == "filler":
+        batch._filler_positions = lambda position_ids, pad: (
+            position_ids[:, -1:] + 1 + torch.arange(pad, dtype=position_ids.dtype).expand(position_ids.shape[0], pad))
+    elif case.plant == "sinks":
+        ulysses._rank_heads = lambda tensor, heads_, rank: tensor[:heads_]
 
 
 def _sequence_parallel(case: Case, rank: int) -> Result:
@@ -146,13 +229,14 @@ def _sequence_parallel(case: Case, rank: int) -> Result:
     if case.engine == "torch_cp":
         return _torch_context_parallel(model, case)
     if case.engine == "ulysses":
-        register_ulysses(model, WORLD)
+        register_ulysses(model, case.world)
     else:
         prepare_sequence_parallel(model)
-    inputs, targets = shard_batch(_batch(case), rank, WORLD, causal=case.model_type not in ENCODERS)
-    logits = model(**inputs).logits
-    loss = shard_loss(logits, targets)
-    loss.backward()
+    inputs, targets = shard_batch(_batch(case), rank, case.world, causal=case.model_type not in ENCODERS)
+    with float64_inside(model):
+        logits = model(**inputs).logits
+        loss = shard_loss(logits, targets)
+        loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = _grads(model)
@@ -168,7 +252,7 @@ def _torch_context_parallel(model: torch.nn.Module, case: Case) -> Result:
 
     batch = _batch(case)
     input_ids, position_ids = batch["input_ids"].clone(), batch["position_ids"].clone()
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (case.world,))
     with context_parallel(mesh, buffers=[input_ids, position_ids], buffer_seq_dims=[1, 1]):
         logits = model(input_ids=input_ids, position_ids=position_ids).logits
     raise AssertionError(f"a packed row ran inside torch's context_parallel (logits {list(logits.shape)})")
@@ -181,21 +265,18 @@ START_SECONDS = 300
 """The limit for starting a rank (imports, the process group)."""
 
 
-def _worker(rank: int, port: int, cases: list[Case], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     faulthandler.dump_traceback_later(START_SECONDS, exit=True)
-    torch.set_num_threads(1)  # two ranks share the CI machine's two cores
+    torch.set_num_threads(1)  # the ranks share the CI machine's two cores
     timeout = timedelta(seconds=CASE_SECONDS)  # a collective whose peer is gone raises instead of waiting forever
     if any(case.engine == "ulysses" for case in cases):
-        import deepspeed
+        from packfree_plugin.parallel import init_deepspeed
 
-        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU ranks at start-up (minutes on 2 cores, and a
-        # compile killed midway leaves a lock file every later start waits on); Ulysses needs gloo's all-to-all only
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+        init_deepspeed("gloo", timeout=timeout)  # without DeepSpeed's CPU start-up build (docs/distributed.md)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     results: dict[str, object] = {}
     try:
         for case in cases:
@@ -224,15 +305,22 @@ def _undo_case(case: Case) -> None:
     from packfree_plugin.attention.interface import packfree_attention_forward
     from packfree_plugin.parallel import prepare as shard
 
+    from packfree_plugin.parallel import batch, heads, ulysses
+
     ALL_ATTENTION_FUNCTIONS["packfree"] = packfree_attention_forward  # undo Ulysses' wrapper
     if case.engine == "ulysses":
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         parallel_state_sp._release_sequence_parallel_groups()  # the next case registers afresh
-    shard._gather_rows = _GATHER
+    shard._gather_rows, heads._group_slice, batch._filler_positions = _GATHER, _GROUP_SLICE, _FILLER
+    ulysses._rank_heads = _RANK_HEADS
 
 
-from packfree_plugin.parallel.prepare import _gather_rows as _GATHER  # noqa: E402  (restored after a planted case)
+# restored after a planted case
+from packfree_plugin.parallel.batch import _filler_positions as _FILLER  # noqa: E402
+from packfree_plugin.parallel.heads import _group_slice as _GROUP_SLICE  # noqa: E402
+from packfree_plugin.parallel.prepare import _gather_rows as _GATHER  # noqa: E402
+from packfree_plugin.parallel.ulysses import _rank_heads as _RANK_HEADS  # noqa: E402
 
 
 def _free_port() -> int:
@@ -241,12 +329,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_on_two_ranks(cases: list[Case], out: str) -> dict[str, object]:
-    """Run every case on 2 ranks; ``{case.name: its Result, or the ValueError it raised}``. Raises AssertionError
-    as soon as a rank fails (its traceback is on stderr), ending the other."""
+def run_on_ranks(cases: list[Case], out: str) -> dict[str, object]:
+    """Run every case on its ranks (every case of one call on as many); ``{case.name: its Result, or the ValueError
+    it raised}``. Raises AssertionError as soon as a rank fails (its traceback is on stderr), ending the others."""
+    (world,) = {case.world for case in cases}
     context = mp.get_context("spawn")
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, port, cases, out)) for rank in range(WORLD)]
+    processes = [context.Process(target=_worker, args=(rank, world, port, cases, out)) for rank in range(world)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + START_SECONDS + CASE_SECONDS * len(cases)  # the ranks' own limits come first
@@ -256,7 +345,7 @@ def run_on_two_ranks(cases: list[Case], out: str) -> dict[str, object]:
                 break
             time.sleep(0.5)
         codes = [process.exitcode for process in processes]
-        assert codes == [0] * WORLD, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
+        assert codes == [0] * world, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
     finally:
         for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
             if process.is_alive():

@@ -1,70 +1,114 @@
-"""DeepSpeed Ulysses with packfree as its core attention: one packed row split over 2 CPU ranks (gloo) gives one
-process's loss and every parameter's gradient, for attention models, hybrids, an MoE and an encoder. Needs
-deepspeed (``nox -s distributed`` installs it; the default test extra does not, so without it this module is not
-collected (tests/parallel/conftest.py) and the default suite runs tests/parallel/test_head_parallel.py).
+"""DeepSpeed Ulysses with packfree as its core attention: one packed row split over 2 and 4 CPU ranks (gloo) gives
+the loss and every parameter's gradient (summed over the ranks) of the stock model run on each sample alone, in
+float64 (tests/parallel/cases.py). The default suite runs :data:`DEFAULT` (two spawns: 2 ranks and 4 ranks);
+``nox -s distributed`` runs :data:`FULL` too (PACKFREE_SP_FULL=1, tests/parallel/conftest.py).
 
-Rows (2 ranks, shard edge in the middle):
-- ODD, 5 + 9 + 3 = 17 tokens: not divisible by the ranks (padded to 18); the 9-token sample crosses the edge at 9;
-- EVEN, 6 + 10 = 16: divisible; rank 1's shard holds the middle and end of the 10-token sample only, so it alone
-  looks unpacked (the case that left rank 0 waiting in an exchange while rank 1 refused the model's cache);
-- ONE, a single 16-token sample over both ranks: every shard looks unpacked.
+Rows (the shard edges are every T/P tokens):
+- ODD, 5 + 9 + 3 = 17 tokens: padded to 18 (a padding sample at the end, which a bidirectional model must not see);
+  the 9-token sample crosses the edge at 9;
+- EDGES2, 8 + 1 + 1 + 7 = 17 (padded to 18): one-token samples on both sides of the edge at 9;
+- EVEN, 6 + 10 = 16: rank 1's shard holds the middle and end of the 10-token sample only (it alone looks unpacked);
+- ONE, a single 16-token sample over both ranks: every shard looks unpacked;
+- EDGES4, 4 + 1 + 4 + 1 + 1 + 8 + 1 = 20 over 4 ranks: one-token samples at the edges 5, 10 and 20;
+- SPAN4, 2 + 17 + 1 = 20 over 4 ranks: the 17-token sample spans every rank.
 
-Each planted case takes the shard edges as sample starts; its loss and gradients must move away from one
-process's, which is what fails every exactness test here if the whole row's boundaries go wrong.
+Planted bugs (cases.PLANTS) must move the loss or the gradients away from the reference.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from tests.parallel.cases import Case, one_process, relative_error, run_on_two_ranks, tolerance
+from tests.parallel.cases import Case, relative_error, run_on_ranks, stock_alone, tolerance
 
-ODD, EVEN, ONE = (5, 9, 3), (6, 10), (16,)
-EXACT = [
-    Case("llama", ODD, "ulysses"),
-    Case("llama", ODD, "ulysses", checkpointing=True),
-    Case("llama", EVEN, "ulysses"),
-    Case("llama", ODD, "ulysses", dtype=torch.float32),
-    Case("qwen3_next", ODD, "ulysses"),  # Gated DeltaNet (conv + delta rule, head-parallel) + attention
-    Case("qwen3_next", EVEN, "ulysses"),
-    Case("qwen3_next", EVEN, "ulysses", checkpointing=True),
-    Case("qwen3_next", ONE, "ulysses"),
-    Case("lfm2", ODD, "ulysses"),  # short conv (channel-parallel) + attention
-    Case("lfm2", ODD, "ulysses", checkpointing=True),
-    Case("mamba2", EVEN, "ulysses"),  # no attention: register_ulysses only sets up the group
-    Case("qwen3_moe", ODD, "ulysses"),
-    Case("bert", ODD, "ulysses"),  # bidirectional encoder, masked-LM targets
+ODD, EDGES2, EVEN, ONE = (5, 9, 3), (8, 1, 1, 7), (6, 10), (16,)
+EDGES4, SPAN4 = (4, 1, 4, 1, 1, 8, 1), (2, 17, 1)
+MLA_V_NARROW = (("v_head_dim", 8),)  # q/k heads 16 wide, v 8: v padded across the exchange
+MLA_V_WIDE = (("v_head_dim", 24),)  # v 24 wide: q/k padded
+MAMBA2_GROUPS = lambda groups: (("n_groups", groups),)  # noqa: E731
+
+
+def _ulysses(model_type: str, lengths: tuple[int, ...], world: int = 2, **kwargs) -> Case:
+    return Case(model_type, lengths, "ulysses", world=world, **kwargs)
+
+
+DEFAULT = [
+    _ulysses("llama", EDGES2),
+    _ulysses("gpt_oss", EDGES2),  # sinks (one per query head), sliding window, MoE
+    _ulysses("granitemoehybrid", ODD),  # Mamba2 + attention whose layers get no position_ids
+    _ulysses("deepseek_v3", ODD, overrides=MLA_V_NARROW),  # multi-head latent attention
+    _ulysses("kimi_linear", ODD, overrides=MLA_V_WIDE),  # KDA (head-parallel) + latent attention
+    _ulysses("qwen3_next", EDGES2),  # Gated DeltaNet (conv + delta rule, head-parallel) + attention
+    _ulysses("bert", ODD),  # bidirectional encoder, masked-LM targets; sees the padding sample if it leaks
+    _ulysses("minimax", ODD),  # lightning attention (head-parallel decay linear attention) + attention
+    _ulysses("recurrent_gemma", ODD),  # RG-LRU + its conv (channel-parallel) + local attention
+    _ulysses("llama", EDGES4, world=4),
+    _ulysses("granitemoehybrid", SPAN4, world=4),
+    _ulysses("mamba2", EDGES4, world=4, overrides=MAMBA2_GROUPS(2)),  # 2 B/C groups over 4 ranks
 ]
-PLANTED = [Case(model_type, ODD, "ulysses", plant="shard_edges") for model_type in ("llama", "qwen3_next", "lfm2",
-                                                                                     "bert")]
-REFUSED = Case("kimi_linear", ODD, "ulysses")
+DEFAULT_PLANTED = [
+    _ulysses("bert", ODD, plant="filler"),
+    _ulysses("gpt_oss", EDGES2, plant="sinks"),
+    _ulysses("mamba2", EDGES4, world=4, overrides=MAMBA2_GROUPS(2), plant="groups"),
+]
+FULL = [
+    _ulysses("llama", ODD),
+    _ulysses("llama", ODD, checkpointing=True),
+    _ulysses("llama", EVEN),
+    _ulysses("llama", ODD, dtype=torch.float32),
+    _ulysses("gpt_oss", ODD),
+    _ulysses("deepseek_v3", EDGES2, overrides=MLA_V_NARROW),
+    _ulysses("qwen3_next", ODD),
+    _ulysses("qwen3_next", EVEN),
+    _ulysses("qwen3_next", EVEN, checkpointing=True),
+    _ulysses("qwen3_next", ONE),
+    _ulysses("lfm2", ODD),  # short conv (channel-parallel) + attention
+    _ulysses("lfm2", ODD, checkpointing=True),
+    _ulysses("mamba2", EVEN),  # no attention: register_ulysses only sets up the group
+    _ulysses("qwen3_moe", ODD),
+    _ulysses("granitemoehybrid", EDGES2),
+    _ulysses("gpt_oss", EDGES4, world=4),
+    _ulysses("deepseek_v3", SPAN4, world=4, overrides=MLA_V_NARROW),
+    _ulysses("kimi_linear", EDGES4, world=4, overrides=MLA_V_WIDE),
+    _ulysses("qwen3_next", SPAN4, world=4, overrides=(("linear_num_key_heads", 4),)),
+    _ulysses("bert", EDGES4, world=4),
+    _ulysses("mamba2", SPAN4, world=4, overrides=MAMBA2_GROUPS(8)),  # 8 groups over 4 ranks
+    _ulysses("minimax", EDGES4, world=4),
+    _ulysses("recurrent_gemma", SPAN4, world=4),
+]
+FULL_PLANTED = [_ulysses(model_type, ODD, plant="shard_edges") for model_type in ("llama", "qwen3_next", "lfm2",
+                                                                                  "bert")]
+RUN_FULL = os.environ.get("PACKFREE_SP_FULL") == "1"
+EXACT = DEFAULT + (FULL if RUN_FULL else [])
+PLANTED = DEFAULT_PLANTED + (FULL_PLANTED if RUN_FULL else [])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, object]:
-    return run_on_two_ranks([*EXACT, *PLANTED, REFUSED], str(tmp_path_factory.mktemp("ulysses") / "results.pt"))
+    found: dict[str, object] = {}
+    for world in sorted({case.world for case in EXACT + PLANTED}):
+        cases = [case for case in EXACT + PLANTED if case.world == world]
+        found.update(run_on_ranks(cases, str(tmp_path_factory.mktemp("ulysses") / f"results{world}.pt")))
+    return found
 
 
 @pytest.mark.parametrize("case", EXACT, ids=lambda case: case.name)
-def test_ulysses_equals_one_process(case: Case, results) -> None:
+def test_ulysses_equals_stock_on_each_sample_alone(case: Case, results) -> None:
     result = results[case.name]
     assert not isinstance(result, Exception), result
-    expected_loss, expected = one_process(case)
+    expected_loss, expected = stock_alone(case)
     assert result.loss == pytest.approx(expected_loss, rel=tolerance(case, result))
     error, name = relative_error(result.grads, expected)
     assert error <= tolerance(case, result), (name, error)
 
 
 @pytest.mark.parametrize("case", PLANTED, ids=lambda case: case.name)
-def test_shard_local_boundaries_are_caught(case: Case, results) -> None:
+def test_planted_bugs_are_caught(case: Case, results) -> None:
     result = results[case.name]
     assert not isinstance(result, Exception), result
-    expected_loss, expected = one_process(Case(case.model_type, case.lengths, case.engine))
+    expected_loss, expected = stock_alone(case.unplanted())
     error, _ = relative_error(result.grads, expected)
     assert error > 1e-3 and result.loss != pytest.approx(expected_loss, rel=tolerance(case, result))
-
-
-def test_latent_attention_is_refused_at_set_up(results) -> None:
-    error = results[REFUSED.name]
-    assert isinstance(error, ValueError) and "data parallelism" in str(error)

@@ -1,0 +1,446 @@
+"""TRL's preference and RL trainers on packed rows: DPO, reward models and GRPO's log-probs.
+
+TRL 1.16 packs only for SFT: ``DPOConfig(padding_free=True)`` logs that it is "temporarily unavailable" and pads,
+and the reward and GRPO trainers have no padding-free mode. The trainers here are TRL's, with one change: every
+*scoring* forward runs on packed rows. TRL's collators still build their padded batches (a few ``[2B, L]`` integer
+tensors), and all of TRL's loss and metric code still runs on them. Only the model call in between is packed:
+
+1. :class:`PackedRows` reads the call's padded ``attention_mask`` ``[B, L]`` (each row's ones contiguous: right-,
+   left- or both-side padding) and packs the real tokens of its rows into ``R`` rows of ``T`` tokens: one row when
+   no budget is given, else rows of at most ``max_tokens_per_row`` tokens (best-fit decreasing), padded to the fullest.
+2. The model runs on the packed rows, with each sample's boundaries (:class:`~packfree_plugin.Boundaries`) and
+   positions restarting at 0: each sample gives what it gives alone.
+3. The per-sample outputs go back to the padded layout, so the loss sees the same tensors as TRL's padded path:
+   a causal LM's per-token log-probs (and entropies, ...) ``[B, L - 1]``, zero where nothing is predicted; a reward
+   head's scores ``[B, 1]`` in row order. DPO's log-prob sums stay per sequence and its loss per pair.
+
+Labels never cross a sample: a sample's first token is never predicted (as for the sample alone), so the last
+token of the sample before it in a packed row predicts nothing. Calls that are not scoring calls (generation, a
+plain forward, a batch with no padding) run as stock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+import trl
+from torch import nn
+
+from ..boundaries import Boundaries
+from ..context import _HANDLES_ATTR
+from ..packing import pack_best_fit_decreasing
+from ..registration import ATTN_IMPLEMENTATION
+
+__all__ = [
+    "PackedDPOTrainer",
+    "PackedGRPOTrainer",
+    "PackedRewardTrainer",
+    "PackedRows",
+    "pack_scoring",
+]
+
+_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+"""The per-token ``[B, L - 1]`` fields of TRL's ``FusedCausalLMOutput``."""
+_TOKEN_INPUTS = ("input_ids", "inputs_embeds")
+_SCORING_ATTR = "_packfree_packed_scoring"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where the real tokens of a padded ``[B, L]`` batch sit in packed ``[R, T]`` rows.
+
+    Attributes:
+        batch_size, length: ``B`` and ``L`` of the padded batch.
+        rows, row_len: ``R`` and ``T`` of the packed rows.
+        padded_index / packed_index: ``[n_tokens]`` flat token indices (over ``B * L`` and ``R * T``) of the same
+            tokens.
+        padded_shifted / packed_shifted: ``[n_predictions]`` flat indices over ``B * (L - 1)`` and ``R * (T - 1)``
+            of the next-token predictions that stay inside a sample (a sample of ``n`` tokens makes ``n - 1``).
+        sample_starts: ``[n_samples]`` flat packed index of every sample's first token.
+        order: ``[n_samples]`` padded row of each packed sample, row-major (padding spans skipped).
+        position_ids: ``[R, T]`` restarting at 0 in every sample (and in each row's padding tail).
+        attention_mask: ``[R, T]``, 0 on the padding tails, or None when no row has one.
+        boundaries: the packed rows' samples and padding tails.
+    """
+
+    batch_size: int
+    length: int
+    rows: int
+    row_len: int
+    padded_index: torch.Tensor
+    packed_index: torch.Tensor
+    padded_shifted: torch.Tensor
+    packed_shifted: torch.Tensor
+    sample_starts: torch.Tensor
+    order: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    boundaries: Boundaries
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, max_tokens_per_row: int | None = None) -> PackedRows:
+        """Pack the rows of a padded ``attention_mask [B, L]`` (1 on real tokens).
+
+        Without ``max_tokens_per_row`` all samples share one row, in batch order. With it, samples go into rows of at
+        most that many tokens (:func:`~packfree_plugin.packing.pack_best_fit_decreasing`; a longer sample raises),
+        keeping batch order inside a row, and every row is padded to the fullest one.
+
+        Raises:
+            ValueError: the mask is not 2-D, a row has no real token, or a row's real tokens are not contiguous.
+        """
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"packing reads a 2-D [B, L] padding mask, got {shape}")
+        host = attention_mask.detach().to("cpu") != 0
+        batch_size, length = host.shape
+        positions = torch.arange(length)
+        lengths = host.sum(1)
+        first = torch.where(host, positions, length).amin(1)
+        last = torch.where(host, positions, -1).amax(1)
+        empty = (lengths == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"row {empty[0]} of the batch has no real token (attention_mask all 0): nothing to pack")
+        holey = (last - first + 1 != lengths).nonzero().flatten().tolist()
+        if holey:
+            raise ValueError(
+                f"row {holey[0]}'s real tokens are not contiguous (attention_mask has zeros between ones): "
+                "packfree packs padded rows, one sample per row, and would have to guess this row's samples"
+            )
+        sizes, starts = lengths.tolist(), first.tolist()
+        if max_tokens_per_row is None:
+            bins = [list(range(batch_size))]
+        else:
+            bins = [sorted(members) for members in pack_best_fit_decreasing(sizes, max_tokens_per_row)]
+        row_len = max(sum(sizes[i] for i in members) for members in bins)
+        return cls._lay_out(bins, sizes, starts, length, row_len, attention_mask)
+
+    @classmethod
+    def _lay_out(cls, bins: list[list[int]], sizes: list[int], starts: list[int], length: int, row_len: int,
+                 attention_mask: torch.Tensor) -> PackedRows:
+        indices: dict[str, list[numpy.ndarray]] = {"padded": [], "packed": [], "padded_shifted": [],
+                                                   "packed_shifted": []}
+        position_ids = numpy.zeros((len(bins), row_len), dtype=numpy.int64)
+        offsets, padding, order = [0], [], []
+        for row, members in enumerate(bins):
+            offset = 0
+            for i in members:
+                size, start = sizes[i], starts[i]
+                indices["padded"].append(i * length + start + numpy.arange(size))
+                indices["packed"].append(row * row_len + offset + numpy.arange(size))
+                indices["padded_shifted"].append(i * (length - 1) + start + numpy.arange(size - 1))
+                indices["packed_shifted"].append(row * (row_len - 1) + offset + numpy.arange(size - 1))
+                position_ids[row, offset:offset + size] = numpy.arange(size)
+                offset += size
+                offsets.append(row * row_len + offset)
+                padding.append(False)
+                order.append(i)
+            if offset < row_len:
+                position_ids[row, offset:] = numpy.arange(row_len - offset)
+                offsets.append((row + 1) * row_len)
+                padding.append(True)
+        device = attention_mask.device
+
+        def tensor(values: Sequence[int] | numpy.ndarray) -> torch.Tensor:
+            return torch.as_tensor(numpy.asarray(values, dtype=numpy.int64), device=device)
+
+        flat = {name: tensor(numpy.concatenate(parts)) for name, parts in indices.items()}
+        mask = None
+        if any(padding):
+            keep = numpy.zeros(len(bins) * row_len, dtype=numpy.int64)
+            keep[numpy.concatenate(indices["packed"])] = 1
+            mask = tensor(keep).view(len(bins), row_len).to(attention_mask.dtype)
+        sample_starts = [start for start, pad in zip(offsets, padding) if not pad]
+        return cls(
+            batch_size=len(sizes), length=length, rows=len(bins), row_len=row_len,
+            padded_index=flat["padded"], packed_index=flat["packed"],
+            padded_shifted=flat["padded_shifted"], packed_shifted=flat["packed_shifted"],
+            sample_starts=tensor(sample_starts), order=tensor(order), position_ids=tensor(position_ids),
+            attention_mask=mask,
+            boundaries=Boundaries(offsets, batch_size=len(bins), seq_len=row_len, device=device, padding=padding),
+        )
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens a padded forward runs, ``B * L``."""
+        return self.batch_size * self.length
+
+    @property
+    def packed_tokens(self) -> int:
+        """Tokens the packed forward runs, ``R * T``."""
+        return self.rows * self.row_len
+
+    def pack(self, padded: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
+        """``[B, L, ...]`` -> ``[R, T, ...]``: every real token moved to its packed place, ``fill`` elsewhere."""
+        rest = padded.shape[2:]
+        flat = padded.reshape(self.batch_size * self.length, *rest)
+        out = flat.new_full((self.rows * self.row_len, *rest), fill)
+        return out.index_put((self.packed_index,), flat[self.padded_index]).view(self.rows, self.row_len, *rest)
+
+    def unpack_predictions(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[R, T - 1, ...]`` next-token values -> ``[B, L - 1, ...]``, zero (False) where no prediction of a sample
+        lands (padding, each sample's first token, and what a sample's last token would predict in a packed row)."""
+        rest = packed.shape[2:]
+        flat = packed.reshape(self.rows * (self.row_len - 1), *rest)
+        out = flat.new_zeros((self.batch_size * (self.length - 1), *rest))
+        out = out.index_put((self.padded_shifted,), flat[self.packed_shifted])
+        return out.view(self.batch_size, self.length - 1, *rest)
+
+    def packed_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Padded ``labels [B, L]`` -> ``[R, T]``: -100 on padding and at every sample's first token, so no label
+        is predicted across two samples."""
+        packed = self.pack(labels, fill=-100).reshape(-1)
+        packed[self.sample_starts] = -100
+        return packed.view(self.rows, self.row_len)
+
+    def in_row_order(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """``[n_samples, ...]`` values in packed order -> ``[B, ...]`` in the padded batch's row order."""
+        out = per_sample.new_zeros((self.batch_size, *per_sample.shape[1:]))
+        return out.index_put((self.order,), per_sample)
+
+
+# ------------------------------------------------------------------------------------------ set-up checks
+def _check_packfree(model: nn.Module, role: str) -> None:
+    """``model`` must be a text model loaded with ``attn_implementation="packfree"`` (or ``packfree_plugin.apply``)."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"padding-free {role} runs on packed rows, which need attn_implementation='packfree', but it was loaded "
+            f"with {implementation!r}. Load it with from_pretrained(..., attn_implementation='packfree') (or call "
+            "packfree_plugin.apply(model)); a model on another implementation would score the packed samples "
+            "as one sequence"
+        )
+    if not hasattr(model, _HANDLES_ATTR):
+        raise ValueError(f"the {role} was switched to 'packfree' but never prepared: call packfree_plugin.apply(model)")
+    if config.get_text_config() is not config:
+        raise ValueError(
+            f"the {role} is a {type(model).__name__}: packing TRL's scoring forwards covers text models only "
+            "(images ride in other tensors than the rows); train it padded, without padding_free"
+        )
+
+
+def _unwrapped(trainer: Any, model: nn.Module) -> nn.Module:
+    from accelerate.utils import is_peft_model
+
+    model = trainer.accelerator.unwrap_model(model)
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+# ------------------------------------------------------------------------------ causal LM scoring forwards
+def _forward_takes(module: nn.Module, name: str) -> bool:
+    return name in inspect.signature(type(module).forward).parameters
+
+
+def _refuse_unpackable(kwargs: dict[str, Any], mask: torch.Tensor) -> None:
+    for name, value in kwargs.items():
+        if name in _TOKEN_INPUTS or name == "attention_mask":
+            continue
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == tuple(mask.shape):
+            raise ValueError(
+                f"a scoring forward was called with {name} {list(value.shape)}, laid out like its padded rows: "
+                f"packed scoring moves input_ids/inputs_embeds and attention_mask only, and would leave {name} "
+                "out of step with the packed tokens"
+            )
+
+
+@dataclass
+class _Scoring:
+    """What :func:`pack_scoring` installs on a model: its original forward and the packing it applies."""
+
+    original: Callable[..., Any]
+    max_tokens_per_row: int | None
+    passes_position_ids: bool
+    pad_token_id: int
+
+
+def _score_packed(scoring: _Scoring, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    mask = kwargs["attention_mask"]
+    _refuse_unpackable(kwargs, mask)
+    rows = PackedRows.of(mask, scoring.max_tokens_per_row)
+    call = {name: value for name, value in kwargs.items()
+            if name not in (*_TOKEN_INPUTS, "attention_mask", "packfree_boundaries")}
+    for name in _TOKEN_INPUTS:
+        if kwargs.get(name) is not None:
+            call[name] = rows.pack(kwargs[name], fill=scoring.pad_token_id if name == "input_ids" else 0)
+    if rows.attention_mask is not None:
+        call["attention_mask"] = rows.attention_mask  # the padding tails (MoE load balancing reads it too)
+    if scoring.passes_position_ids:
+        call["position_ids"] = rows.position_ids
+    call["packfree_boundaries"] = rows.boundaries
+    output = scoring.original(fused_lm_head=True, labels=rows.packed_labels(labels), **call)
+    for name in _PER_TOKEN_FIELDS:
+        value = getattr(output, name, None)
+        if value is not None:
+            setattr(output, name, rows.unpack_predictions(value))
+    return output
+
+
+def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, role: str = "model") -> None:
+    """Run ``model``'s fused-LM-head calls (TRL's scoring forwards) on packed rows; idempotent.
+
+    ``model`` is a causal LM that TRL gave its fused LM head (``trl.trainer.utils.add_fused_lm_head``; under PEFT,
+    the base model). A call ``model(input_ids=[B, L], attention_mask=[B, L], labels=[B, L], fused_lm_head=True)``
+    with padding is packed (:class:`PackedRows`), run, and its per-token outputs returned in the padded layout,
+    ``[B, L - 1]``. Every other call (generation, a plain forward, rows without padding) runs unchanged.
+
+    Raises:
+        ValueError: ``model`` is not a packfree text model, or has no fused LM head.
+    """
+    _check_packfree(model, role)
+    forward = model.__dict__.get("forward")
+    installed = getattr(model, _SCORING_ATTR, None)
+    if installed is not None:
+        installed.max_tokens_per_row = max_tokens_per_row
+        return
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    if getattr(code, "co_name", None) != "_fused_forward":  # its functools.wraps keeps the model's name
+        raise ValueError(
+            f"the {role} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head), whose calls are the "
+            "scoring forwards this packs"
+        )
+    backbone = model.base_model
+    if inspect.signature(type(backbone).forward).parameters.get("kwargs") is None:
+        raise ValueError(f"{type(backbone).__name__}.forward takes no **kwargs, so it cannot be given the boundaries")
+    pad_token_id = model.config.get_text_config().pad_token_id
+    scoring = _Scoring(forward, max_tokens_per_row, _forward_takes(backbone, "position_ids"),
+                       0 if pad_token_id is None else int(pad_token_id))
+
+    @functools.wraps(forward)
+    def packed_forward(*args: Any, fused_lm_head: bool = False, labels: torch.Tensor | None = None, **kwargs: Any):
+        mask = kwargs.get("attention_mask")
+        if (fused_lm_head and labels is not None and not args and kwargs.get("shift_labels") is None
+                and isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
+            return _score_packed(scoring, labels, kwargs)
+        return forward(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+
+    model.forward = packed_forward
+    setattr(model, _SCORING_ATTR, scoring)
+
+
+# ------------------------------------------------------------------------------------------- the trainers
+@contextlib.contextmanager
+def _silenced(logger_name: str, message: str) -> Iterator[None]:
+    """Drop log records of ``logger_name`` that contain ``message`` (TRL's fallback warning, which no longer holds)."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return message not in record.getMessage()
+
+    logger, drop = logging.getLogger(logger_name), Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _config_of(base: type, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``args`` (config) argument of a TRL trainer call, positional or not."""
+    bound = inspect.signature(base.__init__).bind_partial(None, *args, **kwargs)
+    return bound.arguments.get("args")
+
+
+class _PackedScoringTrainer:
+    """Mixin: pack the policy's and the reference model's scoring forwards once TRL has built them."""
+
+    _packfree_max_tokens: int | None
+    _packfree_enabled: bool
+
+    def _pack_scoring_models(self) -> None:
+        if not self._packfree_enabled:
+            return
+        pack_scoring(_unwrapped(self, self.model), max_tokens_per_row=self._packfree_max_tokens, role="policy")
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            pack_scoring(_unwrapped(self, reference), max_tokens_per_row=self._packfree_max_tokens,
+                         role="reference model")
+
+
+class PackedDPOTrainer(_PackedScoringTrainer, trl.DPOTrainer):
+    """``trl.DPOTrainer`` whose ``DPOConfig(padding_free=True)`` packs: the policy's and the reference's
+    log-probs of every prompt + chosen and prompt + rejected are computed on packed rows (one row per batch, or
+    rows of at most ``max_tokens_per_row`` tokens). Loss, metrics and gradients are TRL's, per pair, on the same
+    per-sequence log-prob sums as padded. With ``padding_free=False`` it is ``trl.DPOTrainer``.
+
+    The reference is a ``ref_model`` (loaded with ``attn_implementation="packfree"``; TRL's own copy of a model
+    given by path is), the PEFT base model (adapter off), or precomputed log-probs, computed packed as well.
+    """
+
+    def __init__(self, *args: Any, max_tokens_per_row: int | None = None, **kwargs: Any) -> None:
+        config = _config_of(trl.DPOTrainer, args, kwargs)
+        self._packfree_enabled = bool(getattr(config, "padding_free", False))
+        self._packfree_max_tokens = max_tokens_per_row
+        with _silenced("trl.trainer.dpo_trainer", "`padding_free=True` is temporarily unavailable"):
+            super().__init__(*args, **kwargs)
+        self._pack_scoring_models()
+        self.padding_free = self._packfree_enabled
+
+    def compute_ref_log_probs(self, model, inputs):  # precomputation runs inside DPOTrainer.__init__
+        self._pack_scoring_models()
+        return super().compute_ref_log_probs(model, inputs)
+
+
+class PackedGRPOTrainer(_PackedScoringTrainer, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose log-prob forwards (the policy's, the old policy's and the reference's) run on
+    packed rows: prompt + completion per sample, one row per forward or rows of at most ``max_tokens_per_row``.
+    Generation is TRL's, untouched; loss, KL and advantages are TRL's, on the same per-token log-probs as padded.
+    ``padding_free=False`` makes it ``trl.GRPOTrainer``."""
+
+    def __init__(self, *args: Any, padding_free: bool = True, max_tokens_per_row: int | None = None,
+                 **kwargs: Any) -> None:
+        self._packfree_enabled = padding_free
+        self._packfree_max_tokens = max_tokens_per_row
+        super().__init__(*args, **kwargs)
+        self._pack_scoring_models()
+
+
+class _PackedHeadCall:
+    """Calls a reward model on the packed form of its padded batch and returns its scores in row order."""
+
+    def __init__(self, model: nn.Module, max_tokens_per_row: int | None, pad_token_id: int) -> None:
+        self.model = model
+        self.max_tokens_per_row = max_tokens_per_row
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, **kwargs: Any) -> Any:
+        mask = kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or bool(mask.all()) or kwargs.get("input_ids") is None:
+            return self.model(**kwargs)
+        _refuse_unpackable(kwargs, mask)
+        rows = PackedRows.of(mask, self.max_tokens_per_row)
+        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask")}
+        call.update(input_ids=rows.pack(kwargs["input_ids"], fill=self.pad_token_id), position_ids=rows.position_ids,
+                    packfree_boundaries=rows.boundaries)
+        if rows.attention_mask is not None:
+            call["attention_mask"] = rows.attention_mask
+        output = self.model(**call)
+        output.logits = rows.in_row_order(output.logits)
+        return output
+
+
+class PackedRewardTrainer(trl.RewardTrainer):
+    """``trl.RewardTrainer`` scoring chosen and rejected sequences on packed rows: the sequence-classification
+    head scores each sample's last token (packfree pools once per packed sample), and the scores return in the
+    padded batch's order, so loss and metrics are TRL's. ``padding_free=False`` makes it ``trl.RewardTrainer``."""
+
+    def __init__(self, *args: Any, padding_free: bool = True, max_tokens_per_row: int | None = None,
+                 **kwargs: Any) -> None:
+        self._packfree_enabled = padding_free
+        self._packfree_max_tokens = max_tokens_per_row
+        super().__init__(*args, **kwargs)
+        if padding_free:
+            _check_packfree(_unwrapped(self, self.model), "reward model")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._packfree_enabled:
+            pad_token_id = _unwrapped(self, self.model).config.get_text_config().pad_token_id or 0
+            model = _PackedHeadCall(model, self._packfree_max_tokens, pad_token_id)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -1,0 +1,57 @@
+"""``PackedRewardTrainer`` against TRL's padded ``RewardTrainer`` on stock attention, float64: a
+sequence-classification head scores each packed sample's last token, and the loss, the logged reward / accuracy /
+margin metrics and every gradient equal padded, on attention, Gated DeltaNet and MoE models, in one row or
+under a token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations.trl_runs import (  # noqa: F401 (packings is a fixture)
+    assert_runs_equal, common_config, models, packings, preference_rows, train,
+)
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+METRICS = ("min_reward", "mean_reward", "max_reward", "accuracy", "margin", "grad_norm", "num_tokens")
+
+
+@pytest.mark.parametrize(("model_type", "budget"), [("llama", None), ("qwen3_next", 30),
+                                                    pytest.param("qwen3_moe", None, marks=pytest.mark.slow)])
+def test_reward_packed_equals_padded(tmp_path, packings, model_type: str, budget: int | None) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from packfree_plugin.integrations.trl import PackedRewardTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    dataset = datasets.Dataset.from_list(preference_rows(8, empty_prompt=False))
+    records = []
+    for packed in (True, False):
+        model = models(model_type, head=AutoModelForSequenceClassification)[0 if packed else 1]
+        args = trl.RewardConfig(**common_config(tmp_path / str(packed), center_rewards_coefficient=0.01))
+        extra = {"max_tokens_per_row": budget} if packed else {}
+        cls = PackedRewardTrainer if packed else trl.RewardTrainer
+        records.append(train(cls(model=model, args=args, train_dataset=dataset, processing_class=tiny_tokenizer(),
+                                 **extra)))
+    assert len(packings) == 2  # one packed forward per step
+    if budget:  # rows of at most `budget` tokens (which may hold more padding than the padded batch did)
+        assert all(rows.rows > 1 and rows.row_len <= budget for rows in packings)
+    else:
+        assert all(rows.rows == 1 and rows.packed_tokens < rows.padded_tokens for rows in packings)
+    packed, padded = records
+    tolerance = 2e-6 if model_type == "qwen3_next" else 1e-9  # stock GDN computes in float32 inside
+    assert padded.logs[0]["accuracy"] not in (0.0, 1.0) or padded.logs[1]["accuracy"] not in (0.0, 1.0)
+    assert_runs_equal(packed, padded, rtol=tolerance, keys=METRICS)
+
+
+def test_reward_refuses_a_model_on_other_attention(tmp_path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from packfree_plugin.integrations.trl import PackedRewardTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    stock = models("llama", head=AutoModelForSequenceClassification)[1]
+    with pytest.raises(ValueError, match="reward model.*attn_implementation='packfree'"):
+        PackedRewardTrainer(model=stock, args=trl.RewardConfig(**common_config(tmp_path)), processing_class=tiny_tokenizer(),
+                            train_dataset=datasets.Dataset.from_list(preference_rows(4, empty_prompt=False)))
