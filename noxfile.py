@@ -45,9 +45,10 @@ COMPAT_TORCH = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 COMPAT_TESTS = ["tests/ops", "tests/attention", "tests/models", "tests/test_boundaries.py", "tests/gate/test_proof.py",
                 "tests/test_compat.py"]
 """What differs between releases: the attention and mixer ops, every model family against stock, the proof."""
-OLDEST_INTEGRATIONS = ["trl==1.16.0", "peft==0.21.0", "accelerate==1.10.1", "sentence-transformers==6.0.0"]
+OLDEST_INTEGRATIONS = ["trl==1.16.0", "peft==0.21.0", "accelerate==1.10.1", "sentence-transformers==6.2.0"]
 """The oldest releases pyproject's ``integrations`` extra declares (``nox -s compat_integrations`` runs them)."""
-INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/test_compat.py"]
+INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/e2e/test_sentence_transformers.py",
+                     "tests/integrations", "tests/test_compat.py"]
 
 
 @nox.session

@@ -110,7 +110,8 @@ SHORT_CONV = register_adapter(MixerAdapter("short_conv", (
 ), native=native_forward, routes=_in(_CONV, "lfm2.modeling_lfm2", "lfm2_moe.modeling_lfm2_moe", "lfm3.modeling_lfm3")))
 INKLING_CONV = register_adapter(MixerAdapter(
     "inkling_conv", ("InklingShortConvolution",),
-    notes="generic: its native route agrees with stock only to 1e-9 in float64, unexplained, so not used",
+    notes="generic: its native route agrees with stock only to 1e-9 in a float64 model, whose short convs stock "
+          "keeps in float32 (float32 rounding of another summation order); not switched this release",
 ))
 CCA = register_adapter(MixerAdapter(
     "cca", ("ZayaCCAProjection",), output_index=(0, 1, 2),

@@ -24,7 +24,8 @@ GRAD_SCALE = 10
 terms, and stock runs some scans in float32."""
 GRAD_FLOOR = 1e-8
 """Float64 embedding gradients through a few layers: inkling_text's differ from stock's by 1.1e-9 (2e-7 relative)
-with a finite input too, so that is rounding or its own exactness question, not non-finite isolation."""
+with a finite input too: its short convs compute in float32 (stock keeps them in fp32 and casts their input), so that
+is float32 rounding, not non-finite isolation."""
 REPRESENTATIVES = {"mamba2", "mamba", "qwen3_next", "kimi_linear", "lfm2", "minimax", "recurrent_gemma"}
 """One type per mixer family: SSD, selective scan, Gated DeltaNet, KDA, short conv, lightning, RG-LRU."""
 

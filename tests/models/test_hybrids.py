@@ -45,6 +45,11 @@ FLOAT32_INSIDE: dict[str, float] = {
     "deepseek_v4": _F32,  # eager-only attention: softmax in fp32
     "minimax_m3_vl_text": _F32,  # its block indexer scores in fp32
     "inkling2_text": _F32, "inkling2_loop_text": _F32,  # log scaling and relative bias computed in fp32
+    # short convs in fp32: ``_keep_in_fp32_modules_strict`` holds every InklingShortConvolution and its forward
+    # calls ``hidden_states.float()``; stock alone (with its cache's zero state prepended) and packfree (no cache)
+    # convolve different lengths, which oneDNN may sum in another order: 1.1e-9 (4e-7 relative) on one Xeon,
+    # bit-equal on an EPYC
+    "inkling_text": _F32,
 }
 STOCK_CACHE_BROKEN = {"xlstm"}  # stock xLSTM with qk_dim_factor < 1 fails to build its cache: compare without one
 MODEL_TYPES = [t for t in CATALOGUE if t in CONFIG_MAPPING_NAMES]  # an older supported release lacks the newest
