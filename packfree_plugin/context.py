@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from .boundaries import Boundaries, Seq2SeqBoundaries
-from .unpacked import PACKING_KWARGS, carries_packing_signal, has_holes, reads_as_one_sample_per_row
+from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKING_KWARGS
+from .unpacked import carries_packing_signal, has_holes, reads_as_one_sample_per_row
 from .torch_cp import refuse_packed_rows_under_context_parallel
 
 __all__ = [
@@ -74,7 +75,6 @@ __all__ = [
 _HANDLES_ATTR = "_packfree_layer_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
 _LAYERS_ATTR = "_packfree_hooked_layers"
-_CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state")  # "state": RWKV
 
 
 class NativeCall:
@@ -303,7 +303,7 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
     batch_size, seq_len = tokens.shape[0], tokens.shape[1]
     if batch_size == 0 or seq_len == 0:
         return None  # no tokens, nothing to keep apart: the model runs as stock
-    past = next((arguments[name] for name in _CACHE_NAMES if arguments.get(name) is not None), None)
+    past = next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
     if _cache_holds_tokens(past):
         given = _packing_signs(arguments)
         if given:
@@ -330,11 +330,7 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
         batch_size=batch_size,
         seq_len=seq_len,
         device=tokens.device,
-        cu_seq_lens_q=arguments.get("cu_seq_lens_q"),
-        cu_seq_lens_k=arguments.get("cu_seq_lens_k"),
-        max_length_q=arguments.get("max_length_q"),
-        max_length_k=arguments.get("max_length_k"),
-        seq_idx=arguments.get("seq_idx"),
+        **{name: arguments.get(name) for name in BOUNDARY_KWARGS},
         position_ids=arguments.get("position_ids"),
         attention_mask=attention_mask,
     )
@@ -506,7 +502,6 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
 DECODER_POSITION_IDS = "decoder_position_ids"
 """The decoder's boundary input of a packed seq2seq batch: ``[B, Td]`` ids restarting at 0 where each decoder sample
 starts (read by the position-ids rule of :mod:`.boundaries`); packfree pops it from the call."""
-_ENCODER_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _DECODER_TOKENS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 
 
@@ -547,7 +542,7 @@ def _paired_decoder(outer: Boundaries | None, arguments: dict[str, Any], kwargs:
     if pairing is None or arguments.get("encoder_hidden_states") is None or \
             not _fits(pairing.decoder, _tokens(arguments)):
         return None
-    for name in _ENCODER_BOUNDARY_KWARGS:
+    for name in BOUNDARY_KWARGS:
         kwargs.pop(name, None)
     if "position_ids" in kwargs:
         kwargs["position_ids"] = pairing.decoder.position_ids

@@ -21,7 +21,7 @@ from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
 from ..context import boundaries_here, class_forward_parameters, without_cache
 from ..model_entry import add_step, apply_model_hook
-from ..unpacked import PACKING_KWARGS
+from ..keywords import PACKING_KWARGS
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
 
