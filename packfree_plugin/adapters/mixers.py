@@ -27,9 +27,10 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, boundaries_here
+from ..context import boundaries_here
 from ..keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..ops._nonfinite import Quarantine
+from ..signature import ForwardParameters
 from . import encoders, families
 from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
@@ -278,7 +279,7 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
 def _takes_no_tokens(module: nn.Module) -> bool:
     """A model whose forward takes neither ``input_ids`` nor ``inputs_embeds`` (an audio or vision tower, on its own
     or inside a multimodal model): its forward builds no boundaries and never takes its parent's
-    (``context._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
+    (``model_entry._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
     patches), never along a packed text row."""
     from transformers import PreTrainedModel
 

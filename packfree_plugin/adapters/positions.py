@@ -56,9 +56,10 @@ from torch import nn
 
 from ..attention.interface import RELATIVE_POSITION_BIAS
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import boundaries_here, class_forward_parameters
+from ..context import boundaries_here
 from .generic import run_unpacked
 from ..model_entry import add_step
+from ..signature import class_forward_parameters
 from .instance import install, own_forward, own_parameters, uninstall
 from .entry import additive_mask, register_by_class_name
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
