@@ -5,7 +5,7 @@ contiguous *segments* that never cross a row. A segment is either a sample or a 
 whose ``attention_mask`` is 0); padding spans are kept as segments of their own, so every token belongs
 to exactly one segment and no sample ever sees a padding token or another sample.
 
-``Boundaries`` is built once per forward (by the per-forward context, :mod:`packfree_plugin.context`)
+``Boundaries`` is built once per forward (by :mod:`packfree_plugin.batch_reading`, from the model entry)
 from whichever the batch carries, in this order:
 
 1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``), as sent by
@@ -475,7 +475,7 @@ class Seq2SeqBoundaries:
     tiled by its own :class:`Boundaries`, and which encoder sample each decoder sample reads. Row ``i``'s ``k``-th
     decoder sample reads row ``i``'s ``k``-th encoder sample (padding spans do not count on either side).
 
-    Built once per forward by the context (:mod:`packfree_plugin.context`), which attaches it to both sides
+    Built once per forward by the model entry (:mod:`packfree_plugin.seq2seq`), which attaches it to both sides
     (:meth:`of` reads it back): the decoder runs on ``decoder``, and its cross-attention receives this object as its
     mask, the way self-attention receives a :class:`Boundaries`.
 

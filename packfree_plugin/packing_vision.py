@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .context import _uses_mrope
+from .rope_ids import uses_mrope
 from .packing import PackedCollator, pack_best_fit_decreasing
 
 __all__ = ["VisionPackedCollator"]
@@ -86,7 +86,7 @@ class VisionPackedCollator:
         label_pad: int = -100,
     ) -> None:
         config = getattr(model, "config", None)
-        if rope_index is None and config is not None and _uses_mrope(config):
+        if rope_index is None and config is not None and uses_mrope(config):
             owner = next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
             if owner is None:
                 raise ValueError(f"{type(model).__name__} uses multimodal RoPE but has no get_rope_index; pass "

@@ -1,7 +1,7 @@
 """:func:`apply`, packfree's entry point: prepare a model for packed batches.
 
 It stands above every layer it calls: the version check (:mod:`.compat`), registration with transformers
-(:mod:`.registration`), the load-time gate (:mod:`.gate`), the per-forward context (:mod:`.context`) and the
+(:mod:`.registration`), the load-time gate (:mod:`.gate`), the model entry (:mod:`.model_entry`) and the
 adapters that route boundaries into each layer (:mod:`.adapters`).
 """
 

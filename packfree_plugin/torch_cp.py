@@ -8,8 +8,8 @@ whole row. Mixers would see only their shard. Nothing there can carry the row's 
 packed row inside it at the first forward (before any backward) and names the exact route: DeepSpeed Ulysses with
 :func:`packfree_plugin.parallel.prepare_sequence_parallel`.
 
-The per-forward context (:mod:`.context`) applies this check to every packed forward, so it sits beside it, below
-:mod:`.parallel`, which builds on the context.
+The model entry (:mod:`.model_entry`) applies this check to every packed forward, so it sits below it, and below
+:mod:`.parallel`, which builds on the entry.
 """
 
 from __future__ import annotations

@@ -21,12 +21,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASK_SLICING_MODELS", "PACKING_KWARGS", "carries_packing_signal", "has_holes", "ids_restart",
+from .keywords import PACKING_KWARGS
+
+__all__ = ["MASK_SLICING_MODELS", "carries_packing_signal", "has_holes", "ids_restart",
            "reads_as_one_sample_per_row", "slices_its_mask"]
-
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-"""Keyword arguments whose presence alone says a call's rows are packed."""
-
 
 def has_holes(attention_mask: torch.Tensor) -> bool:
     """Whether some row of a 2-D ``attention_mask [B, T]`` (nonzero = kept) has a 0 between two kept tokens."""
@@ -63,7 +61,7 @@ def ids_restart(position_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 def carries_packing_signal(arguments: dict[str, Any]) -> bool:
-    """Whether a call's bound ``arguments`` say its rows are packed: a boundary keyword (:data:`PACKING_KWARGS`), or
+    """Whether a call's bound ``arguments`` say its rows are packed: a boundary keyword (:data:`.keywords.PACKING_KWARGS`), or
     ``position_ids`` that restart inside a row's kept tokens (read with a 2-D ``attention_mask`` where one is given)."""
     if any(arguments.get(name) is not None for name in PACKING_KWARGS):
         return True

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..boundaries import Boundaries
-from ..context import tensor_leaves
+from ..signature import tensor_leaves
 
 __all__ = ["length_buckets", "run_unpacked"]
 

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import boundaries_here, class_forward_parameters
+from ..context import boundaries_here
 from ..model_entry import set_call
+from ..signature import class_forward_parameters
 
 __all__ = ["first_token_index", "last_token_index", "unwrap_heads", "wrap_heads"]
 

@@ -1,7 +1,8 @@
-"""Registry of sequence mixers (layers that carry information along the sequence outside attention).
+"""How sequence mixers (layers that carry information along the sequence outside attention) run on a packed batch.
 
-One :class:`MixerAdapter` per family names the transformers layer classes it covers and how packed
-boundaries reach them. :func:`wrap_mixers` gives every covered layer of a model an instance-level forward
+The registry is elsewhere: one :class:`~.entry.MixerAdapter` per family (:data:`.entry.REGISTRY`, filled by
+:mod:`.families` and :mod:`.encoders`) names the transformers layer classes it covers and how packed boundaries reach
+them. :func:`wrap_mixers` gives every covered layer of a model an instance-level forward
 that, while a packed batch is in flight, runs the adapter; otherwise the layer's own forward runs
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
@@ -26,8 +27,10 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
-from ..context import ForwardParameters, boundaries_here
+from ..context import boundaries_here
+from ..keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..ops._nonfinite import Quarantine
+from ..signature import ForwardParameters
 from . import encoders, families
 from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
@@ -36,13 +39,9 @@ from .routes import may_reach_kernels, native_forward, routed_kernels_of
 
 __all__ = ["check_coverage", "unwrap_mixers", "wrap_mixers"]
 
-_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
-_CLEARED_PARAMETERS = (*_CACHE_PARAMETERS, "attention_mask", "cache_position", "mask", "conv_mask")
-_DROPPED_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
-                   "packfree_boundaries", "use_cache")
-
-_BOUNDARY_INPUTS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+_CLEARED_PARAMETERS = (*CACHE_ARGUMENTS, "attention_mask", "cache_position", "mask", "conv_mask")
+_DROPPED_KWARGS = (*PACKFREE_KWARGS, "position_ids", "use_cache")
 
 _MAX_WASTE = 0.25
 """Padding a group of causal samples may carry (:func:`.generic.length_buckets`)."""
@@ -67,7 +66,7 @@ def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, bounda
     indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
     causal = adapter.attention is None or (adapter.causal(layer) if callable(adapter.causal) else adapter.causal)
     if adapter.attention is not None and not boundaries.is_packed and (
-            not causal or any(arguments.get(name) is not None for name in _CACHE_PARAMETERS)):
+            not causal or any(arguments.get(name) is not None for name in CACHE_ARGUMENTS)):
         return _whole_batch(adapter, layer, original, boundaries, {**arguments, **given}, causal=causal)
     unsplit = [name for name, value in fixed.items() if isinstance(value, torch.Tensor) and value.ndim >= 2
                and (name == "encoder_hidden_states" or not causal)]
@@ -122,8 +121,7 @@ def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, bo
             boundaries.batch_size, boundaries.seq_len, hidden.device, window=getattr(layer, "sliding_window", None),
             additive_dtype=hidden.dtype if adapter.attention == "eager" else None, causal=causal,
             keys=~boundaries.padding_tokens if boundaries.has_padding else None)
-    return original(**{k: v for k, v in arguments.items() if k != "packfree_boundaries" and k not in _BOUNDARY_INPUTS
-                       and own_parameters(layer).accepts(k)})
+    return original(**{k: v for k, v in arguments.items() if k not in PACKFREE_KWARGS and own_parameters(layer).accepts(k)})
 
 
 class _StockAttention:
@@ -187,11 +185,11 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
         # one sample per row, or rows that are not this forward's: the layer's own forward is exact; boundary
         # inputs would only make transformers' kernel fallbacks refuse the call
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
-    if not boundaries.is_packed and any(arguments.get(name) is not None for name in _CACHE_PARAMETERS):
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
+    if not boundaries.is_packed and any(arguments.get(name) is not None for name in CACHE_ARGUMENTS):
         # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in _BOUNDARY_INPUTS})
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
     if adapter.native is native_forward and not may_reach_kernels(layer, arguments[adapter.hidden_arg]):
         # packfree's torch ops keep a sample's NaN or inf out of the others themselves
         return native_forward(layer, original, boundaries, arguments)
@@ -231,7 +229,7 @@ def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callab
         # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
         # whole batch fills the cache as stock does, with the mask stock builds for these rows
         fills_cache = boundaries is not None and not boundaries.is_packed and any(
-            arguments.get(name) is not None for name in _CACHE_PARAMETERS)
+            arguments.get(name) is not None for name in CACHE_ARGUMENTS)
         if boundaries is not None and not fills_cache:
             return _generic(adapter, layer, original, boundaries, arguments)
         if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
@@ -281,7 +279,7 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
 def _takes_no_tokens(module: nn.Module) -> bool:
     """A model whose forward takes neither ``input_ids`` nor ``inputs_embeds`` (an audio or vision tower, on its own
     or inside a multimodal model): its forward builds no boundaries and never takes its parent's
-    (``context._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
+    (``model_entry._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
     patches), never along a packed text row."""
     from transformers import PreTrainedModel
 

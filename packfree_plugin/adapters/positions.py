@@ -4,8 +4,8 @@ slice of the caller's ``position_ids``, where the caller passes them).
 Most models read their positions from ``position_ids``, which packfree's boundaries restart in every sample.
 Some compute positions themselves, and on a packed row they would number the whole row as one sequence. A
 small registry of *position adapters*, keyed by the class of the embedding module, makes each such module
-number every sample on its own while a packed row is in flight (:func:`packfree_plugin.context.current`
-holds boundaries with more than one sample in some row). With one sample per row (unpacked, padded,
+number every sample on its own while a packed row is in flight (:func:`packfree_plugin.context.boundaries_here`
+with ``packed=True`` returns boundaries with more than one sample in some row). With one sample per row (unpacked, padded,
 ``generate()``, decoding) the module's own forward runs untouched. The numbering rules:
 
 - ``after_padding_idx``: fairseq-style embeddings (RoBERTa and its copies): a sample's tokens are numbered
@@ -56,9 +56,10 @@ from torch import nn
 
 from ..attention.interface import RELATIVE_POSITION_BIAS
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from ..context import boundaries_here, class_forward_parameters
+from ..context import boundaries_here
 from .generic import run_unpacked
 from ..model_entry import add_step
+from ..signature import class_forward_parameters
 from .instance import install, own_forward, own_parameters, uninstall
 from .entry import additive_mask, register_by_class_name
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark

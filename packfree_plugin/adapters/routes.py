@@ -32,6 +32,7 @@ from torch import nn
 from .. import backends, opaque
 from ..boundaries import Boundaries
 from ..context import NativeCall, enter_native, exit_native, native_call
+from ..keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..opaque import boundary_function
 from .entry import ROUTED_FUNCTIONS
 
@@ -285,14 +286,13 @@ def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries,
     """Run ``layer``'s own forward on the packed batch with its kernel calls routed to packfree's ops."""
     arguments = dict(arguments)
     extra = arguments.pop("kwargs", {})
-    for name in ("cache", "cache_params", "past_key_values", "attention_mask"):
+    for name in (*CACHE_ARGUMENTS, "attention_mask"):
         if arguments.get(name) is not None:
             if name == "attention_mask":
                 arguments[name] = None  # padding lives in the boundaries (padding segments)
             else:
                 raise ValueError(f"{type(layer).__name__}: a cache was passed with a packed batch")
-    extra = {k: v for k, v in extra.items() if k not in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                         "max_length_q", "max_length_k", "packfree_boundaries")}
+    extra = {k: v for k, v in extra.items() if k not in PACKFREE_KWARGS}
     if type(layer).__module__ not in _INSTALLED:  # routes were removed (unregister) since the model was prepared
         routed_kernels_of(layer)
     call = enter_native(boundaries, type(layer).__name__)

@@ -26,6 +26,7 @@ from transformers.masking_utils import and_masks, sdpa_mask
 from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..context import boundaries_here, in_prepared_forward, is_prepared
+from ..keywords import BOUNDARY_KWARGS
 from ..opaque import boundary_function
 from ..unpacked import slices_its_mask
 from .reference import AttentionOptions, eager_attention
@@ -41,10 +42,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
-_INERT_TENSOR_KWARGS = frozenset({*_BOUNDARY_KWARGS, "cache_position", "num_items_in_batch", "encoder_hidden_states"})
+_INERT_TENSOR_KWARGS = frozenset({*BOUNDARY_KWARGS, "position_ids", "cache_position", "num_items_in_batch",
+                                  "encoder_hidden_states"})
 """Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
 _PER_SAMPLE_MASK = "_packfree_per_sample"
+"""Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
+stock's mask for the row, cut to each sample, which attention applies as it is."""
 _ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.", "sliding_window_causal_mask_function.",
                    "sliding_window_bidirectional_overlay.", "sliding_window_bidirectional_mask_function.",
@@ -53,8 +56,6 @@ _ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirecti
                    "_bidirectional_window_overlay.")
 """Qualified names of transformers' mask functions (and Gemma3's window overlay) that read tokens by relative
 distance or per-token ids only, so stock's mask for a packed row, cut to each sample, equals each sample's own."""
-"""Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
-stock's mask for the row, cut to each sample, which attention applies as it is."""
 
 
 def choose_backend(query: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:

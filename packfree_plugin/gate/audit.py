@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..adapters.numbering import quiet
-from ..context import tensor_leaves
+from ..signature import tensor_leaves
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]
 

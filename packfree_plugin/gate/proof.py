@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters.numbering import quiet
-from ..context import VISUAL_TOKEN_KEYS
+from ..rope_ids import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
 

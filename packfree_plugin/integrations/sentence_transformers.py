@@ -20,13 +20,14 @@ import logging
 import sys
 from typing import Any
 
+from ..keywords import BOUNDARY_KWARGS
+
 __all__ = ["TESTED", "install", "install_if_imported", "installed"]
 
 TESTED = ((6, 2),)
 """The (major, minor) releases of sentence-transformers this adapter was tested with."""
 
 _ORIGINAL = "_packfree_original_can_flatten_inputs"
-_BOUNDARY_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 logger = logging.getLogger("packfree")
 
 
@@ -97,6 +98,6 @@ def _flatten_for_packfree(module: Any) -> bool:
     module.data_collator = DataCollatorWithFlattening(return_seq_idx=True, return_flash_attn_kwargs=True,
                                                       return_position_ids=True)
     if module.model_forward_params is not None:  # a forward without **kwargs: let the boundary keys through
-        module.model_forward_params |= _BOUNDARY_KWARGS
+        module.model_forward_params |= set(BOUNDARY_KWARGS)
     module._flatten_position_offset = module._infer_flatten_position_offset()
     return True

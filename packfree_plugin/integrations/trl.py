@@ -35,7 +35,7 @@ import trl
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import _HANDLES_ATTR
+from ..model_entry import _HANDLES_ATTR
 from ..packing import pack_best_fit_decreasing
 from ..registration import ATTN_IMPLEMENTATION
 

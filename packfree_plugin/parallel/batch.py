@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..boundaries import Boundaries
+from ..keywords import BOUNDARY_KWARGS
 
 __all__ = ["shard_batch", "shard_loss"]
 
@@ -29,9 +30,8 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, c
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = Boundaries.from_model_inputs(
-            batch_size=batch_size, seq_len=seq_len, device=tokens.device, cu_seq_lens_q=batch.get("cu_seq_lens_q"),
-            cu_seq_lens_k=batch.get("cu_seq_lens_k"), max_length_q=batch.get("max_length_q"),
-            max_length_k=batch.get("max_length_k"), seq_idx=batch.get("seq_idx")).position_ids.to(torch.long)
+            batch_size=batch_size, seq_len=seq_len, device=tokens.device,
+            **{name: batch.get(name) for name in BOUNDARY_KWARGS}).position_ids.to(torch.long)
     labels = batch.get("labels")
     if labels is None:
         raise ValueError("shard_batch needs labels [B, T] (-100 at every packed sample's first token)")

@@ -19,9 +19,10 @@ from ..adapters.forwards import lightning_forward, rg_lru_forward
 from ..adapters.positions import POSITION_ADAPTERS
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
-from ..context import boundaries_here, class_forward_parameters, without_cache
+from ..context import boundaries_here
+from ..keywords import PACKING_KWARGS
 from ..model_entry import add_step, apply_model_hook
-from ..unpacked import PACKING_KWARGS
+from ..signature import class_forward_parameters, without_cache
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
 

@@ -356,12 +356,12 @@ def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
 
     boundaries = Boundaries.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
     chunked = and_masks(causal_mask_function, chunked_overlay(2, torch.zeros(1, dtype=torch.long)))
-    context._push(boundaries)
+    context.push(boundaries)
     try:
         with pytest.raises(ValueError, match=r"chunked_overlay.*depend on a token's place in the row"):
             packfree_attention_mask(1, 7, 7, mask_function=chunked, use_vmap=True)
     finally:
-        context._pop()
+        context.pop()
 
 
 def test_paligemma_hands_its_mask_to_gemma_and_packed_text_rows_are_exact() -> None:

@@ -1,0 +1,24 @@
+"""The call-argument names packfree reads, defined once: the boundary keywords a packed batch passes, and the
+arguments under which a call carries a cache. Every layer imports them from here (nothing below it)."""
+
+from __future__ import annotations
+
+__all__ = ["BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "PACKFREE_KWARGS", "PACKING_KWARGS"]
+
+BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""The boundary keywords of a packed batch, as transformers' ``DataCollatorWithFlattening`` and packfree's collators
+send them (``position_ids`` aside: every model takes those, packed or not); the keyword parameters of
+:meth:`.boundaries.Boundaries.from_model_inputs`."""
+
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+"""The :data:`BOUNDARY_KWARGS` whose presence alone says a call's rows are packed (``max_length_q/k`` only come with
+``cu_seq_lens``; ``position_ids`` say so only where they restart inside a row: :mod:`.unpacked`)."""
+
+PACKFREE_KWARGS = (*BOUNDARY_KWARGS, "packfree_boundaries")
+"""Every keyword through which boundaries reach a call: the batch's, and the :class:`~.boundaries.Boundaries` a
+model forwards to its layers through ``**kwargs``. A layer's own forward, run by packfree, gets none of them."""
+
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params", "state", "layer_past")
+"""Arguments under which a model or a layer is passed a cache: ``past_key_values`` (attention), ``cache_params``
+(Mamba-style mixers), ``cache``, ``state`` (RWKV), ``layer_past`` (older attention layers). Read in this order: the
+first one given is the call's cache."""

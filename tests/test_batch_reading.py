@@ -1,0 +1,93 @@
+"""Reading a batch: pure functions of a call's arguments, no model. Segments are checked against sample lengths
+written out by hand; refusals against the contract each one states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from packfree_plugin.batch_reading import boundaries_for_call, cache_holds_tokens, packing_signs
+
+LENGTHS = [3, 2, 4]
+
+
+def _packed_row() -> dict[str, torch.Tensor]:
+    """One row of three samples, numbered 0.. in each, labels -100 at every sample's first token."""
+    ids = torch.arange(1, sum(LENGTHS) + 1)[None]
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    labels = ids.clone()
+    labels[0, [0, 3, 5]] = -100
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def _filled_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), layer_idx=0)
+    return cache
+
+
+def test_restarting_ids_and_cu_seq_lens_give_the_samples_lengths() -> None:
+    by_ids = boundaries_for_call(_packed_row())
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    by_cu = boundaries_for_call({"input_ids": _packed_row()["input_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+    for boundaries in (by_ids, by_cu):
+        assert boundaries.lengths == tuple(LENGTHS)
+        assert boundaries.is_packed
+        assert boundaries.seq_idx.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
+
+
+def test_ids_that_never_restart_pack_nothing() -> None:
+    row = _packed_row()
+    row["position_ids"] = torch.arange(sum(LENGTHS))[None]
+    boundaries = boundaries_for_call(row)
+    assert boundaries is not None and not boundaries.is_packed and boundaries.lengths == (sum(LENGTHS),)
+
+
+def test_a_label_that_crosses_into_the_next_sample_is_refused() -> None:
+    row = _packed_row()
+    row["labels"][0, 3] = 7  # the second sample's first token would learn from the first sample's last
+    with pytest.raises(ValueError, match=r"row 0, token 3"):
+        boundaries_for_call(row)
+    assert boundaries_for_call(row, causal_labels=False).is_packed  # seq2seq labels are the decoder's targets
+
+
+def test_packed_rows_with_a_cache_are_refused() -> None:
+    with pytest.raises(ValueError, match="cannot continue a cached sequence"):
+        boundaries_for_call({**_packed_row(), "past_key_values": _filled_cache()})
+    with pytest.raises(ValueError, match="a cache object was passed"):
+        boundaries_for_call({**_packed_row(), "past_key_values": DynamicCache()})
+    decoding = {"input_ids": torch.tensor([[5]]), "past_key_values": _filled_cache()}
+    assert boundaries_for_call(decoding) is None
+
+
+def test_cache_holds_tokens_reads_the_cache_state() -> None:
+    assert not cache_holds_tokens(None)
+    assert not cache_holds_tokens(DynamicCache())
+    assert cache_holds_tokens(_filled_cache())
+    assert cache_holds_tokens([torch.zeros(1, 2)]) and not cache_holds_tokens([torch.zeros(0)])
+
+
+def test_a_4d_mask_with_a_packed_batch_is_refused_and_alone_is_stock() -> None:
+    mask = torch.ones(1, 1, sum(LENGTHS), sum(LENGTHS))
+    with pytest.raises(ValueError, match="4-D attention_mask"):
+        boundaries_for_call({**_packed_row(), "attention_mask": mask})
+    assert boundaries_for_call({"input_ids": _packed_row()["input_ids"], "attention_mask": mask}) is None
+
+
+def test_rows_with_holes_and_empty_batches_run_as_stock() -> None:
+    ids = torch.ones(2, 4, dtype=torch.long)
+    holes = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    assert boundaries_for_call({"input_ids": ids, "attention_mask": holes}) is None
+    right_padded = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    padded = boundaries_for_call({"input_ids": ids, "attention_mask": right_padded})
+    assert padded.has_padding and not padded.is_packed
+    assert boundaries_for_call({"input_ids": torch.ones(0, 4, dtype=torch.long)}) is None
+
+
+def test_packing_signs_name_what_says_packed() -> None:
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    assert packing_signs(_packed_row()) == ["position_ids restarting at 0"]
+    assert packing_signs({"seq_idx": torch.zeros(1, 9), "cu_seq_lens_q": cu, "max_length_q": 9}) == [
+        "cu_seq_lens_q", "seq_idx"]
+    assert packing_signs({"position_ids": torch.arange(9)[None]}) == []
