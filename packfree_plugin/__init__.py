@@ -2,7 +2,7 @@
 
 ``attn_implementation="packfree"`` in ``from_pretrained``/``from_config`` (registered automatically by the
 installed startup hook, or by :func:`register`) makes a packed batch give the same outputs, loss and
-gradients as running each sample alone. :func:`apply` prepares a model loaded some other way.
+gradients as running each sample alone. :func:`apply` prepares a model loaded some other way; :func:`release` undoes it.
 
 Importing this package imports neither torch nor transformers: the names below load on first use.
 """
@@ -20,12 +20,13 @@ _LAZY = {
     "unregister": "packfree_plugin.registration",
     "is_registered": "packfree_plugin.registration",
     "apply": "packfree_plugin.prepare",
+    "release": "packfree_plugin.prepare",
 }
 
-__all__ = ["Boundaries", "apply", "is_registered", "register", "unregister", "__version__"]
+__all__ = ["Boundaries", "apply", "is_registered", "register", "release", "unregister", "__version__"]
 
 if TYPE_CHECKING:
-    from .prepare import apply
+    from .prepare import apply, release
     from .boundaries import Boundaries
     from .registration import is_registered, register, unregister
 

@@ -90,8 +90,8 @@ def register() -> None:
 def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **kwargs) -> None:
     """transformers' ``set_attn_implementation``, then: prepare a model switched to packfree (or put every config back
     and raise), release one switched away from it."""
+    from . import release  # up to the package's entry points, as apply below
     from .model_entry import has_entry
-    from .prepare import release
 
     configs = {id(module.config): module.config for module in model.modules() if isinstance(module, PreTrainedModel)}
     before = {key: config._attn_implementation_internal for key, config in configs.items()}
