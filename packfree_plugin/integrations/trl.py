@@ -35,7 +35,7 @@ import trl
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import _HANDLES_ATTR
+from ..context import is_prepared
 from ..packing import pack_best_fit_decreasing
 from ..registration import ATTN_IMPLEMENTATION
 
@@ -218,7 +218,7 @@ def _check_packfree(model: nn.Module, role: str) -> None:
             "packfree_plugin.apply(model)); a model on another implementation would score the packed samples "
             "as one sequence"
         )
-    if not hasattr(model, _HANDLES_ATTR):
+    if not is_prepared(model):
         raise ValueError(f"the {role} was switched to 'packfree' but never prepared: call packfree_plugin.apply(model)")
     if config.get_text_config() is not config:
         raise ValueError(
@@ -342,9 +342,9 @@ def _silenced(logger_name: str, message: str) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def _config_of(base: type, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The ``args`` (config) argument of a TRL trainer call, positional or not."""
-    bound = inspect.signature(base.__init__).bind_partial(None, *args, **kwargs)
+def _config_of(init: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``args`` (config) argument of a call of TRL's bound trainer ``__init__``, positional or not."""
+    bound = inspect.signature(init).bind_partial(*args, **kwargs)
     return bound.arguments.get("args")
 
 
@@ -375,7 +375,8 @@ class PackedDPOTrainer(_PackedScoringTrainer, trl.DPOTrainer):
     """
 
     def __init__(self, *args: Any, max_tokens_per_row: int | None = None, **kwargs: Any) -> None:
-        config = _config_of(trl.DPOTrainer, args, kwargs)
+        # TRL's own __init__ (the base), not ``trl.DPOTrainer``: code that patches that name to this class is common
+        config = _config_of(super().__init__, args, kwargs)
         self._packfree_enabled = bool(getattr(config, "padding_free", False))
         self._packfree_max_tokens = max_tokens_per_row
         with _silenced("trl.trainer.dpo_trainer", "`padding_free=True` is temporarily unavailable"):

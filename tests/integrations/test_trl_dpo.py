@@ -88,3 +88,20 @@ def test_dpo_refuses_reference_on_other_attention(tmp_path) -> None:
     with pytest.raises(ValueError, match="policy.*attn_implementation='packfree'"):
         PackedDPOTrainer(model=stock, ref_model=policy, args=args, train_dataset=dataset,
                          processing_class=tiny_tokenizer())
+
+
+def test_dpo_packs_when_trl_name_patched_to_packed_class(tmp_path, monkeypatch, packings) -> None:
+    """Code that patches ``trl.DPOTrainer = PackedDPOTrainer`` (as a harness or a framework does) must still see
+    ``DPOConfig(padding_free=True)``: reading the config through ``trl.DPOTrainer``'s signature found only
+    ``*args`` there, so padding-free was silently off and every batch ran padded."""
+    from packfree_plugin.integrations.trl import PackedDPOTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    monkeypatch.setattr(trl, "DPOTrainer", PackedDPOTrainer)
+    policy, reference = models("llama")[0], models("llama", seed=7)[0]
+    dataset = datasets.Dataset.from_list(preference_rows(4))
+    args = trl.DPOConfig(**common_config(tmp_path, padding_free=True, max_steps=1))
+    trainer = trl.DPOTrainer(policy, reference, args, train_dataset=dataset, processing_class=tiny_tokenizer())
+    assert trainer.padding_free
+    trainer.train()
+    assert packings, "the scoring forwards ran padded"
