@@ -283,6 +283,12 @@ def _score_packed(scoring: _Scoring, labels: torch.Tensor, kwargs: dict[str, Any
     return output
 
 
+def _is_fused_head(forward: Any) -> bool:
+    """Whether ``forward`` is the bound forward ``trl.trainer.utils.add_fused_lm_head`` installs."""
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    return getattr(code, "co_name", None) == "_fused_forward"  # its functools.wraps keeps the model's name
+
+
 def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, role: str = "model") -> None:
     """Run ``model``'s fused-LM-head calls (TRL's scoring forwards) on packed rows; idempotent.
 
@@ -300,8 +306,10 @@ def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, rol
     if installed is not None:
         installed.max_tokens_per_row = max_tokens_per_row
         return
-    code = getattr(getattr(forward, "__func__", None), "__code__", None)
-    if getattr(code, "co_name", None) != "_fused_forward":  # its functools.wraps keeps the model's name
+    # accelerate's mixed-precision wrapper (its prepare_model, which TRL runs on a reference model at set-up under
+    # bf16) keeps the forward it wraps as _original_forward; packing wraps the outer one, so autocast still applies
+    fused = forward if _is_fused_head(forward) else model.__dict__.get("_original_forward")
+    if not _is_fused_head(fused):
         raise ValueError(
             f"the {role} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head), whose calls are the "
             "scoring forwards this packs"
