@@ -78,6 +78,7 @@ def test_attention_substitution() -> None:
     assert trl_offline.substitute_attention(None, "packfree") == "packfree"
     assert trl_offline.substitute_attention("eager", "packfree") == "packfree"
     assert trl_offline.substitute_attention("eager", "sdpa") == "eager"
+    assert trl_offline.substitute_attention(None, "sdpa") is None  # stock keeps transformers' default
 
 
 def test_report_lists_what_packfree_loses() -> None:

@@ -65,10 +65,10 @@ FLASH = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn
 
 
 def substitute_attention(requested: str | None, impl: str) -> str | None:
-    """The implementation a ``from_pretrained(attn_implementation=requested)`` gets in a run of ``impl``."""
-    if requested is None or requested in FLASH:
-        return impl
-    if impl == "packfree" and requested in ("sdpa", "eager"):
+    """The implementation a ``from_pretrained(attn_implementation=requested)`` gets in a run of ``impl``: FlashAttention
+    (which a CPU lacks) becomes ``impl``; under packfree every request does. A stock run keeps transformers' own
+    default (``None``: sdpa where the model supports it, eager for GPT-OSS)."""
+    if impl == "packfree" or requested in FLASH:
         return impl
     return requested
 

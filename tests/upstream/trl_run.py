@@ -79,9 +79,8 @@ def run(checkout: Path, files: list[str], selection: str, out: Path, timeout_s: 
         results.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(PROJECT), os.environ.get("PYTHONPATH", "")]),
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_CACHE": str(hub),
-               "PACKFREE_TRL_IMPL": impl, "PACKFREE_TRL_RESULTS": str(results), "OMP_NUM_THREADS": "1"}
-        if impl != "packfree":
-            env["PACKFREE_STARTUP"] = "0"
+               "PACKFREE_TRL_IMPL": impl, "PACKFREE_TRL_RESULTS": str(results), "OMP_NUM_THREADS": "1",
+               "PACKFREE_AUTOLOAD": "1" if impl == "packfree" else "0"}
         command = [sys.executable, "-m", "pytest", "-p", "trl_packfree_plugin", "-p", "no:cacheprovider",
                    "--rootdir", str(checkout), "-q", "-rN", "-W", "ignore", "-k", selection,
                    *(f"tests/{name}" for name in files)]
