@@ -425,7 +425,9 @@ class _PackedHeadCall:
             return self.model(**kwargs)
         _refuse_unpackable(kwargs, mask)
         rows = PackedRows.of(mask, self.max_tokens_per_row)
-        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask")}
+        # TRL hands its per-pair "margin" [B] to the model too (the loss reads it from the batch): it is no model input,
+        # and packfree's attention refuses an argument it does not know
+        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask", "margin")}
         call.update(input_ids=rows.pack(kwargs["input_ids"], fill=self.pad_token_id), position_ids=rows.position_ids,
                     packfree_boundaries=rows.boundaries)
         if rows.attention_mask is not None:
