@@ -157,6 +157,18 @@ def upstream(session: nox.Session) -> None:
     session.run("python", "-m", "tests.upstream.run", *session.posargs)
 
 
+@nox.session
+def upstream_trl(session: nox.Session) -> None:
+    """TRL's own DPO, reward and GRPO trainer tests offline on the CPU, stock against packfree's Packed* trainers
+    (docs/rl.md, "TRL's own tests"). ``nox -s upstream_trl -- PATH [--files ...] [-k EXPR]``, PATH a TRL checkout
+    holding ``tests/``; results in ``trl-upstream-results/``."""
+    if not session.posargs:
+        session.error("give the path of a TRL checkout holding tests/ (nox -s upstream_trl -- PATH)")
+    _install(session)
+    session.install("psutil>=5.9")
+    session.run("python", "-m", "tests.upstream.trl_run", *session.posargs)
+
+
 GPU_IMAGE = ["torch==2.11.0", "triton==3.6.0", "transformers==5.17.0", "accelerate==1.15.0", "peft==0.21.2",
              "sentence-transformers==6.0.1", "hypothesis==6.170.17", "pytest==9.2.0", "einops==0.8.2"]
 """The lent GPU machine's image as pinned packages (its torch is the CUDA 2.11.0 build; here it runs on the CPU)."""

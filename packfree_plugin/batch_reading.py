@@ -27,12 +27,17 @@ def cache_holds_tokens(past: Any) -> bool:
     (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
     if past is None:
         return False
+    from transformers import cache_utils
     from transformers.cache_utils import Cache, EncoderDecoderCache, LinearAttentionCacheLayerMixin
 
+    # a layer that stores nothing (MLP / MoE-only layers of hybrids such as NemotronH; transformers >= 5.2x)
+    stateless = getattr(cache_utils, "DummyLayer", ())
     if isinstance(past, EncoderDecoderCache):  # a seq2seq decoder: its own self-attention cache is what it continues
         past = past.self_attention_cache
     if isinstance(past, Cache):
         for layer in past.layers:
+            if isinstance(layer, stateless):
+                continue
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 if any(layer.has_previous_state.values()):
                     return True

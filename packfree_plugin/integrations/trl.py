@@ -35,7 +35,7 @@ import trl
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..model_entry import _HANDLES_ATTR
+from ..context import is_prepared
 from ..packing import pack_best_fit_decreasing
 from ..registration import ATTN_IMPLEMENTATION
 
@@ -218,7 +218,7 @@ def _check_packfree(model: nn.Module, role: str) -> None:
             "packfree_plugin.apply(model)); a model on another implementation would score the packed samples "
             "as one sequence"
         )
-    if not hasattr(model, _HANDLES_ATTR):
+    if not is_prepared(model):
         raise ValueError(f"the {role} was switched to 'packfree' but never prepared: call packfree_plugin.apply(model)")
     if config.get_text_config() is not config:
         raise ValueError(
@@ -283,6 +283,12 @@ def _score_packed(scoring: _Scoring, labels: torch.Tensor, kwargs: dict[str, Any
     return output
 
 
+def _is_fused_head(forward: Any) -> bool:
+    """Whether ``forward`` is the bound forward ``trl.trainer.utils.add_fused_lm_head`` installs."""
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    return getattr(code, "co_name", None) == "_fused_forward"  # its functools.wraps keeps the model's name
+
+
 def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, role: str = "model") -> None:
     """Run ``model``'s fused-LM-head calls (TRL's scoring forwards) on packed rows; idempotent.
 
@@ -300,8 +306,10 @@ def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, rol
     if installed is not None:
         installed.max_tokens_per_row = max_tokens_per_row
         return
-    code = getattr(getattr(forward, "__func__", None), "__code__", None)
-    if getattr(code, "co_name", None) != "_fused_forward":  # its functools.wraps keeps the model's name
+    # accelerate's mixed-precision wrapper (its prepare_model, which TRL runs on a reference model at set-up under
+    # bf16) keeps the forward it wraps as _original_forward; packing wraps the outer one, so autocast still applies
+    fused = forward if _is_fused_head(forward) else model.__dict__.get("_original_forward")
+    if not _is_fused_head(fused):
         raise ValueError(
             f"the {role} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head), whose calls are the "
             "scoring forwards this packs"
@@ -342,9 +350,9 @@ def _silenced(logger_name: str, message: str) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def _config_of(base: type, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The ``args`` (config) argument of a TRL trainer call, positional or not."""
-    bound = inspect.signature(base.__init__).bind_partial(None, *args, **kwargs)
+def _config_of(init: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``args`` (config) argument of a call of TRL's bound trainer ``__init__``, positional or not."""
+    bound = inspect.signature(init).bind_partial(*args, **kwargs)
     return bound.arguments.get("args")
 
 
@@ -375,7 +383,8 @@ class PackedDPOTrainer(_PackedScoringTrainer, trl.DPOTrainer):
     """
 
     def __init__(self, *args: Any, max_tokens_per_row: int | None = None, **kwargs: Any) -> None:
-        config = _config_of(trl.DPOTrainer, args, kwargs)
+        # TRL's own __init__ (the base), not ``trl.DPOTrainer``: code that patches that name to this class is common
+        config = _config_of(super().__init__, args, kwargs)
         self._packfree_enabled = bool(getattr(config, "padding_free", False))
         self._packfree_max_tokens = max_tokens_per_row
         with _silenced("trl.trainer.dpo_trainer", "`padding_free=True` is temporarily unavailable"):
@@ -416,7 +425,9 @@ class _PackedHeadCall:
             return self.model(**kwargs)
         _refuse_unpackable(kwargs, mask)
         rows = PackedRows.of(mask, self.max_tokens_per_row)
-        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask")}
+        # TRL hands its per-pair "margin" [B] to the model too (the loss reads it from the batch): it is no model input,
+        # and packfree's attention refuses an argument it does not know
+        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask", "margin")}
         call.update(input_ids=rows.pack(kwargs["input_ids"], fill=self.pad_token_id), position_ids=rows.position_ids,
                     packfree_boundaries=rows.boundaries)
         if rows.attention_mask is not None:

@@ -88,3 +88,41 @@ def test_dpo_refuses_reference_on_other_attention(tmp_path) -> None:
     with pytest.raises(ValueError, match="policy.*attn_implementation='packfree'"):
         PackedDPOTrainer(model=stock, ref_model=policy, args=args, train_dataset=dataset,
                          processing_class=tiny_tokenizer())
+
+
+def test_dpo_packs_when_trl_name_patched_to_packed_class(tmp_path, monkeypatch, packings) -> None:
+    """Code that patches ``trl.DPOTrainer = PackedDPOTrainer`` (as a harness or a framework does) must still see
+    ``DPOConfig(padding_free=True)``: reading the config through ``trl.DPOTrainer``'s signature found only
+    ``*args`` there, so padding-free was silently off and every batch ran padded."""
+    from packfree_plugin.integrations.trl import PackedDPOTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    monkeypatch.setattr(trl, "DPOTrainer", PackedDPOTrainer)
+    policy, reference = models("llama")[0], models("llama", seed=7)[0]
+    dataset = datasets.Dataset.from_list(preference_rows(4))
+    args = trl.DPOConfig(**common_config(tmp_path, padding_free=True, max_steps=1))
+    trainer = trl.DPOTrainer(policy, reference, args, train_dataset=dataset, processing_class=tiny_tokenizer())
+    assert trainer.padding_free
+    trainer.train()
+    assert packings, "the scoring forwards ran padded"
+
+
+def test_dpo_packs_reference_prepared_under_mixed_precision(tmp_path, packings) -> None:
+    """Under ``bf16=True`` TRL has accelerate prepare the reference at set-up, which wraps its fused-LM-head forward
+    in a mixed-precision one: the reference must still be packed (it was refused as having no fused LM head, so
+    every TRL DPO test with a reference failed under the default bf16), and score as padded does."""
+    from packfree_plugin.integrations.trl import PackedDPOTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    dataset = datasets.Dataset.from_list(preference_rows(4))
+    losses = []
+    for packed in (True, False):
+        pair = models("llama", dtype=torch.float32), models("llama", seed=7, dtype=torch.float32)
+        policy, reference = (model[0 if packed else 1] for model in pair)
+        args = trl.DPOConfig(**common_config(tmp_path / str(packed), padding_free=packed, max_steps=1, bf16=True))
+        cls = PackedDPOTrainer if packed else trl.DPOTrainer
+        trainer = cls(model=policy, ref_model=reference.eval(), args=args, train_dataset=dataset,
+                      processing_class=tiny_tokenizer())
+        losses.append(train(trainer).losses)
+    assert len(packings) == 2  # the policy's and the reference's scoring forward of the one step
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=2e-2, atol=1e-3)

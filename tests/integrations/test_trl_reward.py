@@ -55,3 +55,23 @@ def test_reward_refuses_a_model_on_other_attention(tmp_path) -> None:
     with pytest.raises(ValueError, match="reward model.*attn_implementation='packfree'"):
         PackedRewardTrainer(model=stock, args=trl.RewardConfig(**common_config(tmp_path)), processing_class=tiny_tokenizer(),
                             train_dataset=datasets.Dataset.from_list(preference_rows(4, empty_prompt=False)))
+
+
+def test_reward_with_margin_column_equals_padded(tmp_path, packings) -> None:
+    """A dataset with TRL's optional ``margin`` column: TRL hands it to the model beside the rows, and packfree's
+    attention refused it (TRL's own test_train_with_margin); packed must train as padded does, margin and all."""
+    from transformers import AutoModelForSequenceClassification
+
+    from packfree_plugin.integrations.trl import PackedRewardTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    rows = [dict(row, margin=0.25 * index) for index, row in enumerate(preference_rows(8, empty_prompt=False))]
+    dataset = datasets.Dataset.from_list(rows)
+    records = []
+    for packed in (True, False):
+        model = models("llama", head=AutoModelForSequenceClassification)[0 if packed else 1]
+        cls = PackedRewardTrainer if packed else trl.RewardTrainer
+        records.append(train(cls(model=model, args=trl.RewardConfig(**common_config(tmp_path / str(packed))),
+                                 train_dataset=dataset, processing_class=tiny_tokenizer())))
+    assert len(packings) == 2
+    assert_runs_equal(*records, rtol=1e-9, keys=METRICS)
