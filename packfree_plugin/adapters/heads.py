@@ -99,8 +99,20 @@ def _sequence_output_hook(module: nn.Module, args: tuple, kwargs: dict, output: 
     return output
 
 
+def _unwrapped(module: nn.Module | None) -> nn.Module | None:
+    """The layer under a PEFT wrapper (LoRA's ``get_base_layer()``, ``modules_to_save``'s ``original_module``), which
+    is no ``nn.Linear`` itself; any other module as it is."""
+    get_base_layer = getattr(module, "get_base_layer", None)
+    if callable(get_base_layer):
+        return get_base_layer()
+    original = getattr(module, "original_module", None)
+    return original if isinstance(original, nn.Module) else module
+
+
 def _is_last_token_head(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "score", None), nn.Linear) and model.base_model is not model
+    """Whether ``model`` pools the last token into ``model.score`` (a linear layer, PEFT-wrapped or not: a wrapped one
+    taken for another head would pool once per packed row, one score for every sample)."""
+    return isinstance(_unwrapped(getattr(model, "score", None)), nn.Linear) and model.base_model is not model
 
 
 def _hook_first_token_head(model: nn.Module) -> None:

@@ -36,3 +36,31 @@ def test_lora_packed_equals_padded(model_type: str) -> None:
     assert mine.keys() == theirs.keys() and len(mine) == len(trainable)
     for name in mine:
         assert_close(mine[name], theirs[name], atol=1e-6, rtol=1e-5, what=name)
+
+
+@pytest.mark.parametrize("wrap", ["lora", "modules_to_save"])
+def test_peft_wrapped_score_head_pools_each_sample(wrap: str) -> None:
+    """PEFT wraps ``score`` (LoRA on it, or ``modules_to_save=["score"]``, as TRL's reward recipe does): each packed
+    sample still gets its own last-token score, equal to stock's on the sample alone, gradients included."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models.test_heads import build, flattened, samples_for
+
+    model, stock = build("llama")
+    target = dict(target_modules=["q_proj", "score"]) if wrap == "lora" else \
+        dict(target_modules=["q_proj"], modules_to_save=["score"])
+    config = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, task_type="SEQ_CLS", **target)
+    torch.manual_seed(1)
+    lora, lora_stock = get_peft_model(model, LoraConfig(**config)), get_peft_model(stock, LoraConfig(**config))
+    lora_stock.load_state_dict(lora.state_dict())
+    samples = samples_for([7, 3, 11, 5])
+    packed = lora(**flattened(samples, collator=True)).logits
+    alone = torch.cat([lora_stock(input_ids=s[None]).logits for s in samples])
+    assert packed.shape == alone.shape == (4, 3)
+    assert_close(packed, alone, atol=1e-10, rtol=1e-8, what=f"{wrap} pooled logits")
+    packed.square().sum().backward()
+    alone.square().sum().backward()
+    mine, theirs = gradients(lora), gradients(lora_stock)
+    assert mine.keys() == theirs.keys() and any("score" in name for name in mine)
+    for name in mine:
+        assert_close(mine[name], theirs[name], atol=1e-9, rtol=1e-7, what=name)
