@@ -433,6 +433,14 @@ class _PackedHeadCall:
         if rows.attention_mask is not None:
             call["attention_mask"] = rows.attention_mask
         output = self.model(**call)
+        samples = rows.order.numel()
+        if output.logits.shape[0] != samples:  # index_put would broadcast one score to every sample, silently
+            raise ValueError(
+                f"the reward model's head returned {output.logits.shape[0]} scores for the {samples} packed samples "
+                f"(logits {list(output.logits.shape)}): it pooled once per packed row, not once per sample; a head "
+                "packfree does not pool per sample (e.g. its score layer wrapped by an adapter) cannot score packed "
+                "rows, so train it with padding_free=False"
+            )
         output.logits = rows.in_row_order(output.logits)
         return output
 

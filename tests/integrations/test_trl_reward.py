@@ -75,3 +75,21 @@ def test_reward_with_margin_column_equals_padded(tmp_path, packings) -> None:
                                  train_dataset=dataset, processing_class=tiny_tokenizer())))
     assert len(packings) == 2
     assert_runs_equal(*records, rtol=1e-9, keys=METRICS)
+
+
+def test_reward_refuses_a_head_that_pools_once_per_packed_row() -> None:
+    """A head that pools the packed row's last token (one score for all its samples, as a stock head does, and as
+    packfree's head did when PEFT wrapped ``score`` in a LoRA layer: TRL's test_train_moe_with_peft_config) must
+    raise: the scores' scatter back to the padded rows would broadcast that one score to every sample."""
+    import torch
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+    from packfree_plugin.integrations.trl import _PackedHeadCall
+
+    def pooled_once_per_row(input_ids: torch.Tensor, **_: object) -> SequenceClassifierOutputWithPast:
+        return SequenceClassifierOutputWithPast(logits=input_ids[:, -1:].to(torch.float64))  # [R, 1]
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+    call = _PackedHeadCall(pooled_once_per_row, max_tokens_per_row=None, pad_token_id=0)
+    with pytest.raises(ValueError, match="returned 1 scores for the 3 packed samples"):
+        call(input_ids=torch.arange(1, 13).view(3, 4) * mask, attention_mask=mask)
