@@ -90,7 +90,7 @@ def register() -> None:
 def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **kwargs) -> None:
     """transformers' ``set_attn_implementation``, then: prepare a model switched to packfree (or put every config back
     and raise), release one switched away from it."""
-    from . import release  # up to the package's entry points, as apply below
+    from . import apply, release  # up to the package's own entry points (packfree_plugin.prepare)
     from .model_entry import has_entry
 
     configs = {id(module.config): module.config for module in model.modules() if isinstance(module, PreTrainedModel)}
@@ -99,8 +99,6 @@ def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **
     prepared = has_entry(model)
     if _uses_packfree(model) and not prepared:
         try:
-            from . import apply
-
             apply(model)
         except BaseException:
             release(model)
