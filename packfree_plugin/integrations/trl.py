@@ -38,6 +38,7 @@ from ..boundaries import Boundaries
 from ..context import is_prepared
 from ..packing import pack_best_fit_decreasing
 from ..registration import ATTN_IMPLEMENTATION
+from ..signature import class_forward_parameters
 
 __all__ = [
     "PackedDPOTrainer",
@@ -235,10 +236,6 @@ def _unwrapped(trainer: Any, model: nn.Module) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------ causal LM scoring forwards
-def _forward_takes(module: nn.Module, name: str) -> bool:
-    return name in inspect.signature(type(module).forward).parameters
-
-
 def _refuse_unpackable(kwargs: dict[str, Any], mask: torch.Tensor) -> None:
     for name, value in kwargs.items():
         if name in _TOKEN_INPUTS or name == "attention_mask":
@@ -318,7 +315,7 @@ def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, rol
     if inspect.signature(type(backbone).forward).parameters.get("kwargs") is None:
         raise ValueError(f"{type(backbone).__name__}.forward takes no **kwargs, so it cannot be given the boundaries")
     pad_token_id = model.config.get_text_config().pad_token_id
-    scoring = _Scoring(forward, max_tokens_per_row, _forward_takes(backbone, "position_ids"),
+    scoring = _Scoring(forward, max_tokens_per_row, "position_ids" in class_forward_parameters(type(backbone)).names,
                        0 if pad_token_id is None else int(pad_token_id))
 
     @functools.wraps(forward)
