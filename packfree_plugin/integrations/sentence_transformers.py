@@ -9,7 +9,7 @@ method: for a model packfree prepared, the same prerequisites (the ``feature-ext
 among the modalities, the torch backend, an attention-interface model, every modality run by ``forward``) switch on
 the same flattening, collator and position offset. ``unpad_inputs=False`` keeps batches padded, as for FlashAttention.
 
-Tested with sentence-transformers 6.2 (:data:`TESTED`); on any other release packfree leaves sentence-transformers
+Tested with sentence-transformers 6.2 and 6.3 (:data:`TESTED`); on any other release packfree leaves sentence-transformers
 untouched and logs why (its batches then stay padded, which packfree runs exactly as stock).
 """
 
@@ -24,7 +24,7 @@ from ..keywords import BOUNDARY_KWARGS
 
 __all__ = ["TESTED", "install", "install_if_imported", "installed"]
 
-TESTED = ((6, 2),)
+TESTED = ((6, 2), (6, 3))
 """The (major, minor) releases of sentence-transformers this adapter was tested with."""
 
 _ORIGINAL = "_packfree_original_can_flatten_inputs"
