@@ -88,7 +88,7 @@ def sweep(session: nox.Session) -> None:
     """Prove every model type of the installed transformers (tooling/sweep); regenerate gate/verified.json, the
     support matrix in docs/support-matrix.md and docs/gate-checks.md."""
     _install(session)
-    session.run("python", "-m", "tooling.sweep", *session.posargs, env={"PYTHONPATH": os.getcwd()})
+    session.run("python", "-m", "tooling.sweep", *session.posargs)
 
 
 @nox.session
