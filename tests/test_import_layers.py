@@ -14,7 +14,7 @@ FLOORS = (  # bottom first, by top-level module or subpackage of packfree_plugin
     {"model_entry"},
     {"attention"},
     {"adapters"},
-    {"parallel", "packing", "packing_seq2seq", "packing_vision", "integrations"},
+    {"parallel", "packing", "integrations"},
     {"gate"},
     {"registration", "prepare", "autoload"},
     {"tools", "tiny", "__init__", "__main__"},
