@@ -85,9 +85,10 @@ def thorough(session: nox.Session) -> None:
 
 @nox.session
 def sweep(session: nox.Session) -> None:
-    """Prove every model type of the installed transformers; regenerate gate/verified.json and the support matrix."""
+    """Prove every model type of the installed transformers (tooling/sweep); regenerate gate/verified.json, the
+    support matrix in docs/support-matrix.md and docs/gate-checks.md."""
     _install(session)
-    session.run("python", "-m", "packfree_plugin.gate.sweep", *session.posargs)
+    session.run("python", "-m", "tooling.sweep", *session.posargs)
 
 
 @nox.session

@@ -6,7 +6,7 @@ call all run the same steps, in this order:
 
 1. **enter**: :func:`enter_model` reads the batch (or takes the boundaries given or inherited) and pushes
    them: the cache switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE
-   refusal;
+   refusal, the checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
 2. **the steps other layers add**, in the order added (:func:`add_step`): the per-sample decoder inputs of
    :mod:`.adapters.positions`, the sequence-parallel shard of :mod:`.parallel.prepare`;
 3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`, :mod:`.adapters.heads`), else the
@@ -49,15 +49,16 @@ from .context import boundaries_here, current, fits, in_prepared_forward, mark_p
 from .rope_ids import check_rope_ids
 from .seq2seq import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .signature import class_forward_parameters, without_cache
-from .torch_cp import refuse_packed_rows_under_context_parallel
 
-__all__ = ["ModelForward", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers", "leave_model",
-           "remove_model_hook", "set_call", "unhook_layers"]
+__all__ = ["ModelForward", "add_read_check", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers",
+           "leave_model", "remove_model_hook", "set_call", "unhook_layers"]
 
 Step = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
 """``(model, args, kwargs) -> (args, kwargs)`` (None: unchanged), run after enter with the boundaries pushed."""
 Call = Callable[..., Any]
 """``(model, own_forward, *args, **kwargs) -> output``: replaces the call of the model's own forward."""
+ReadCheck = Callable[[Boundaries], None]
+"""``(boundaries) -> None``: raises for boundaries the entry must not run on."""
 
 _EARLIER = "_packfree_earlier_model_forward"
 _STEPS = "_packfree_model_steps"
@@ -65,6 +66,8 @@ _CALL = "_packfree_model_call"
 _HANDLES_ATTR = "_packfree_layer_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
 _LAYERS_ATTR = "_packfree_hooked_layers"
+_READ_CHECKS: list[ReadCheck] = []
+"""What every entry runs on the boundaries it reads, before it pushes them (:func:`add_read_check`)."""
 
 
 class ModelForward(functools.partial):
@@ -138,6 +141,13 @@ def add_step(model: nn.Module, step: Step) -> None:
     steps = model.__dict__.get(_STEPS, ())
     if step not in steps:
         model.__dict__[_STEPS] = (*steps, step)
+
+
+def add_read_check(check: ReadCheck) -> None:
+    """Run ``check`` on the boundaries of every batch an entry reads, before they are pushed (idempotent): refusals
+    that layers above the entry own, such as :mod:`.parallel.torch_cp`'s, which :func:`packfree_plugin.apply` adds."""
+    if check not in _READ_CHECKS:
+        _READ_CHECKS.append(check)
 
 
 def set_call(model: nn.Module, call: Call) -> None:
@@ -291,7 +301,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             # would number them (the model would otherwise count 0..T-1 across the row)
             kwargs["position_ids"] = boundaries.position_ids
     if boundaries is not None:
-        refuse_packed_rows_under_context_parallel(boundaries.is_packed)
+        for check in _READ_CHECKS:
+            check(boundaries)
     push(boundaries)
     return args, kwargs
 

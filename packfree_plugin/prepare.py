@@ -1,8 +1,9 @@
 """:func:`apply`, packfree's entry point: prepare a model for packed batches.
 
 It stands above every layer it calls: the version check (:mod:`.compat`), registration with transformers
-(:mod:`.registration`), the load-time gate (:mod:`.gate`), the model entry (:mod:`.model_entry`) and the
-adapters that route boundaries into each layer (:mod:`.adapters`).
+(:mod:`.registration`), the load-time gate (:mod:`.gate`), the model entry (:mod:`.model_entry`) with the refusal of
+torch's context parallelism (:mod:`.parallel.torch_cp`) and the adapters that route boundaries into each layer
+(:mod:`.adapters`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from .adapters.mixers import check_coverage, unwrap_mixers, wrap_mixers
 from .compat import check_transformers_version
 from .gate import admit
 from .integrations import sentence_transformers
-from .model_entry import apply_model_hook, remove_model_hook
+from .model_entry import add_read_check, apply_model_hook, remove_model_hook
+from .parallel.torch_cp import refuse_packed_rows_under_context_parallel
 from .registration import ATTN_IMPLEMENTATION, register
 
 __all__ = ["apply", "release"]
@@ -34,6 +36,7 @@ def apply(model: nn.Module) -> nn.Module:
 
     check_transformers_version()
     register()
+    add_read_check(refuse_packed_rows_under_context_parallel)  # the entry refuses packed rows under torch's CP
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current not in (None, ATTN_IMPLEMENTATION) and getattr(model, "_supports_attention_backend", False):

@@ -78,6 +78,6 @@ def check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
         f"{type(module).__name__} got {given} together with images or videos; its multimodal RoPE needs each "
         "token's (t, h, w) position. Pass no position_ids for one sample per row (the model computes them), or the "
         "[3, B, T] (or [4, B, T]) ids of each sample's own get_rope_index, concatenated along T "
-        "(packfree_plugin.packing_vision.VisionPackedCollator builds them)"
+        "(packfree_plugin.packing.VisionPackedCollator builds them)"
     )
 

@@ -38,7 +38,7 @@ def pair_seq2seq(module: nn.Module, arguments: dict[str, Any], encoder: Boundari
                 f"{name} got packed encoder rows {[encoder.batch_size, encoder.seq_len]} and decoder rows "
                 f"{list(tokens.shape[:2])} of another length without decoder_position_ids; packfree cannot tell where "
                 "each decoder sample starts. Pass decoder_position_ids restarting at 0 in every decoder sample "
-                "(packfree_plugin.packing_seq2seq.Seq2SeqPackedCollator builds them)"
+                "(packfree_plugin.packing.Seq2SeqPackedCollator builds them)"
             )
         return
     if tokens is None or encoder is None:

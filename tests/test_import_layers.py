@@ -8,13 +8,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "packfree_plugin"
 FLOORS = (  # bottom first, by top-level module or subpackage of packfree_plugin (docs/layout.md)
-    {"compat", "backends", "keywords", "signature", "boundaries", "unpacked", "torch_cp", "opaque", "ops", "catalogue"},
+    {"compat", "backends", "keywords", "signature", "boundaries", "unpacked", "opaque", "ops", "catalogue"},
     {"context", "batch_reading"},
     {"rope_ids", "seq2seq"},
     {"model_entry"},
     {"attention"},
     {"adapters"},
-    {"parallel", "packing", "packing_seq2seq", "packing_vision", "integrations"},
+    {"parallel", "packing", "integrations"},
     {"gate"},
     {"registration", "prepare", "autoload"},
     {"tools", "tiny", "__init__", "__main__"},

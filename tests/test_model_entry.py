@@ -14,7 +14,7 @@ from packfree_plugin.context import boundaries_here
 from packfree_plugin.gate.audit import packed_row
 from packfree_plugin.model_entry import has_entry
 from tests.conftest import assert_close, tiny_config
-from tests.e2e.conftest import fresh_pair, gradients, max_grad_diff, samples_of
+from tests.helpers import fresh_pair, gradients, max_grad_diff, samples_of
 
 LENGTHS = [6, 9, 4]
 TOLERANCE = {"qwen3_next": 1e-6, "mamba2": 1e-6}

@@ -461,7 +461,7 @@ def packfree_attention_mask(
                     f"{model_type!r} overlays a pattern of its own on the causal mask, and transformers renumbered "
                     "the packed row's positions per sample before applying it (packed position_ids without an "
                     "attention_mask), so the pattern reads the wrong tokens. Pass attention_mask (ones, [B, T]) "
-                    "with the packed row, as packfree_plugin.packing_vision.VisionPackedCollator does"
+                    "with the packed row, as packfree_plugin.packing.VisionPackedCollator does"
                 )
             segments = boundaries.seq_idx
 

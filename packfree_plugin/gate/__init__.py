@@ -3,8 +3,9 @@
 - :mod:`.shrink`: a tiny random config of any config / model type, every distinct layer kind kept.
 - :mod:`.proof`: the isolation proof, each packed sample against that sample alone on stock transformers.
 - :mod:`.admission`: :func:`admit`, called at load; verified classes pass, others are proved or refused.
-- :mod:`.sweep`: proves every model type of the installed transformers; writes ``verified.json`` and the
-  support matrix (``python -m packfree_plugin.gate.sweep``).
+
+``verified.json``, the classes proved exact per transformers version, is written by the sweep, a build tool of the
+source checkout (``tooling/sweep``, ``nox -s sweep``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`admit` is called by :func:`packfree_plugin.apply` for every model prepared with packfree:
 
-- a model class of transformers that the sweep (:mod:`.sweep`) proved exact for the installed transformers
+- a model class of transformers that the sweep (``nox -s sweep``) proved exact for the installed transformers
   version (:data:`VERIFIED_FILE`) passes at once, provided its config's switches (:func:`switches`: the
   boolean and string settings, e.g. Falcon's ``alibi`` or BERT's ``position_embedding_type``) are those the
   sweep proved;

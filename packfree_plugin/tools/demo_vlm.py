@@ -9,7 +9,7 @@ Data flows top to bottom:
 2. :func:`vision_config`: a small Qwen2-VL (multimodal RoPE, a 2-layer vision tower).
 3. :func:`packfree_plugin.tools.demo.train` twice from the same weights, on the same samples in the same order:
    padded (:class:`PaddedVisionCollator`, stock ``sdpa``; the model numbers positions from the mask) and packed
-   (:class:`packfree_plugin.packing_vision.VisionPackedCollator`, ``packfree``; each sample's own
+   (:class:`packfree_plugin.packing.VisionPackedCollator`, ``packfree``; each sample's own
    ``get_rope_index`` positions, its images concatenated in sample order, one unpadded row per step).
 4. :func:`run_vision_demo`: the report (``report-vlm.md``), per-step losses side by side, and ``demo-vlm.png``.
 """
@@ -149,7 +149,7 @@ class _CountingCollator:
 
 def compare_vision_training(options: VisionDemoOptions) -> dict[str, Any]:
     """Both runs from the same initial weights; returns ``padded``/``packed`` results, the config and sizes."""
-    from ..packing_vision import VisionPackedCollator
+    from ..packing import VisionPackedCollator
     from ..registration import register
 
     threads = torch.get_num_threads()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from packfree_plugin.context import boundaries_here
-from tests.e2e.conftest import fresh_pair
+from tests.helpers import fresh_pair
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "lfm2"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from tests.e2e.conftest import fresh_pair, gradients, max_grad_diff, samples_of
+from tests.helpers import fresh_pair, gradients, max_grad_diff, samples_of
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

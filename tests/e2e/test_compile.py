@@ -17,7 +17,7 @@ import packfree_plugin
 from packfree_plugin.tiny import tiny_config
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import CountingBackend, assert_close
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 from tests.models.test_hybrids import tolerance
 from packfree_plugin.catalogue import catalogue_config
 

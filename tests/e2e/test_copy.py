@@ -10,7 +10,7 @@ import torch
 
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 
 def test_deep_copy_of_a_hybrid_runs_its_own_weights() -> None:

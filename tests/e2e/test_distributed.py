@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 ROWS = [[5, 9, 3], [7, 4, 6, 2]]  # sample lengths of rank 0's and rank 1's packed row
 

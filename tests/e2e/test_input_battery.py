@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening, DynamicCache
 
 from tests.conftest import assert_close
-from tests.e2e.conftest import shared_pair
+from tests.helpers import shared_pair
 
 DOCUMENTED_REFUSALS = re.compile(
     "|".join([

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from packfree_plugin.packing import PackedCollator, pack_best_fit_decreasing
 from tests.conftest import assert_close
-from tests.e2e.conftest import FAMILIES, gradients, padded_batch, samples_of, shared_pair
+from tests.helpers import FAMILIES, gradients, padded_batch, samples_of, shared_pair
 
 
 @st.composite

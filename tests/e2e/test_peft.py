@@ -7,7 +7,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from tests.conftest import assert_close
-from tests.e2e.conftest import fresh_pair, gradients, padded_batch, samples_of
+from tests.helpers import fresh_pair, gradients, padded_batch, samples_of
 
 peft = pytest.importorskip("peft")
 

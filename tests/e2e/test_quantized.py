@@ -12,7 +12,7 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])

@@ -17,7 +17,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling, Transfor
 import packfree_plugin  # noqa: E402
 from packfree_plugin.integrations import sentence_transformers as integration  # noqa: E402
 from packfree_plugin.tools.data import load_gsm8k  # noqa: E402
-from tests.e2e.conftest import max_grad_diff  # noqa: E402
+from tests.helpers import max_grad_diff  # noqa: E402
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from packfree_plugin.tools.demo import PaddedCollator, train
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 LENGTHS = [9, 3, 14, 6, 11, 2, 8, 5, 12, 7, 4, 10]
 

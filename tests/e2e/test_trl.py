@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close
-from tests.e2e.conftest import fresh_pair, samples_of
+from tests.helpers import fresh_pair, samples_of
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -140,7 +140,8 @@ def test_a_width_that_is_a_multiple_of_the_hidden_size_stays_that_multiple() -> 
 def test_the_sweep_checks_the_gate_on_a_types_defaults_and_its_tester_config() -> None:
     """The sweep's own check: the gate, as for a class it has not verified, admits Llama's default config and a
     ModelTester-style one (2 heads, 2 key/value heads: the copy that had 4 key/value heads ran on no stock)."""
-    from packfree_plugin.gate.sweep import Result, Target, render_gate_checks, tester_config, user_config_checks
+    from tooling.sweep.render import render_gate_checks
+    from tooling.sweep.run import Result, Target, tester_config, user_config_checks
 
     tester = tester_config(LlamaConfig())
     assert (tester.hidden_size, tester.num_attention_heads, tester.num_key_value_heads) == (32, 2, 2)

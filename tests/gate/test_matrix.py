@@ -1,4 +1,4 @@
-"""The committed sweep results (``gate/verified.json``, the support matrix, its docs page) must match the
+"""The committed sweep results (``gate/verified.json`` and the support matrix of its docs page) must match the
 installed transformers: the same targets, and a sample of them re-proved gives the recorded class."""
 
 from __future__ import annotations
@@ -6,20 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import pytest
 import transformers
 
 from packfree_plugin.gate.admission import VERIFIED_FILE, switches, verified_classes
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.gate.sweep import (MATRIX_FILE, MATRIX_MARKERS, Target, documented_version,
-                                        load_results, render_matrix, run_target, targets)
+from tooling.sweep.render import MATRIX_MARKERS, SUPPORT_DOC, documented_version, load_results, render_matrix
+from tooling.sweep.run import Target, run_target, targets
 
 VERSION = transformers.__version__
-DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md"
-"""This checkout's page: CI installs packfree as a wheel, which has no docs folder."""
-REGENERATE = "stale: regenerate with `python -m packfree_plugin.gate.sweep` (nox -s sweep)"
+REGENERATE = "stale: regenerate with `python -m tooling.sweep` (nox -s sweep)"
 SAMPLE = os.environ.get("PACKFREE_SWEEP_SAMPLE", "40")
 """How many recorded-exact classes are re-proved (``all``: every target; half as many non-exact ones)."""
 SAMPLE_EXACT = 10**6 if SAMPLE == "all" else int(SAMPLE)
@@ -68,12 +65,11 @@ def test_every_recorded_non_exact_target_is_refused_by_the_gate() -> None:
     assert admitted == []
 
 
-def test_the_matrix_file_and_the_docs_page_section_are_generated_from_the_results() -> None:
-    """They document the newest transformers swept (also when the suite runs on an older supported one)."""
+def test_the_docs_page_section_is_generated_from_the_results() -> None:
+    """The one matrix documents the newest transformers swept (also when the suite runs on an older supported one)."""
     documented = documented_version()
     matrix = render_matrix(documented, sorted(load_results(documented), key=lambda r: (r.group, r.model_type, r.cls)))
-    assert MATRIX_FILE.read_text() == matrix, REGENERATE
-    page = DOCS_PAGE.read_text()
+    page = SUPPORT_DOC.read_text()
     start, end = MATRIX_MARKERS
     assert page.split(start, 1)[1].split(end, 1)[0] == "\n" + matrix, REGENERATE
 
@@ -99,7 +95,7 @@ def test_a_sampled_non_exact_class_is_still_refused_by_the_gate(recorded) -> Non
 def test_the_sweep_runs_targets_in_workers_and_stops_one_past_its_time_limit() -> None:
     """Two targets in one worker process give their verdicts; a time limit shorter than a worker's start
     records the target as not buildable (over the limit) instead of waiting for it."""
-    from packfree_plugin.gate.sweep import sweep
+    from tooling.sweep.run import sweep
 
     chosen = [Target("causal", "llama", "LlamaForCausalLM"),
               Target("causal", "gemma4_assistant", "Gemma4AssistantForCausalLM")]

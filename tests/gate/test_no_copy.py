@@ -14,7 +14,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from packfree_plugin.gate.admission import NoCopyError, prove_copy
 from packfree_plugin.gate.shrink import _PUBLISHED, cut_config, shrink_config
-from packfree_plugin.gate.sweep import GATE_CHECKS_FILE, Target, _gate_on, run_target
+from tooling.sweep.render import GATE_CHECKS_FILE
+from tooling.sweep.run import Target, _gate_on, run_target
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
@@ -125,7 +126,7 @@ def test_an_xmod_config_without_a_default_language_is_proved_on_a_copy_that_has_
 
 
 def test_the_recorded_gate_checks_have_no_no_copy_row() -> None:
-    """``gate_checks.md`` (the sweep's gate on every class's defaults and ModelTester-style config): no class is
+    """``docs/gate-checks.md`` (the sweep's gate on every class's defaults and ModelTester-style config): no class is
     left unproved for want of a copy, in the counts or in the rows."""
     text = GATE_CHECKS_FILE.read_text()
     counts = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| \w+ \| (default|tester) \|", line)]

@@ -1,6 +1,6 @@
 """The gate's own guard: every class the sweep refuses for its own reason is refused at load, with that reason.
 
-The sweep (:mod:`packfree_plugin.gate.sweep`) proves each class with the gate bypassed and records in
+The sweep (:mod:`tooling.sweep`) proves each class with the gate bypassed and records in
 ``verified.json`` why a refused one is refused: a layer packfree knows it cannot run exactly (refused at load by
 ``check_coverage``, before the gate), or an error on the proof's packed row (BLT's own-mask cross-attention), which
 only the gate's load-time proof turns into a refusal at load. Each is rebuilt here from the sweep's tiny config and
@@ -16,7 +16,8 @@ import pytest
 import transformers
 
 import packfree_plugin
-from packfree_plugin.gate.sweep import Target, load_results, tiny_target
+from tooling.sweep.render import load_results
+from tooling.sweep.run import Target, tiny_target
 
 REFUSED = [r for r in load_results(transformers.__version__) if r.status == "refused"]
 _ERROR_PREFIX = re.compile(r"^at (load|call \([^)]*\)): (ValueError|NotImplementedError): ")

@@ -146,7 +146,7 @@ def test_a_width_equal_to_a_hidden_size_of_the_config_becomes_the_tiny_hidden_si
 def test_the_sweep_proves_a_composite_types_decoder_on_one_codebook(model_type: str, class_name: str) -> None:
     """MusicGen's config holds a text encoder and the decoder: the sweep takes the decoder, shrunk to one codebook
     so that a text-only row ``[1, T]`` is its input (``[B * codebooks, T]``); its positions are numbered per sample."""
-    from packfree_plugin.gate.sweep import Target, run_target
+    from tooling.sweep.run import Target, run_target
 
     assert tiny_config_for(model_type).decoder.num_codebooks == 1
     result = run_target(Target("causal", model_type, class_name))

@@ -29,8 +29,8 @@ from packfree_plugin.adapters.positions import numbering_of
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import main_output, prove
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.gate.sweep import targets
 from packfree_plugin.packing import PackedCollator
+from tooling.sweep.run import targets
 
 LENGTHS = (6, 4, 5)
 LAYERS = 3
@@ -225,7 +225,7 @@ _NUMBERING_CODE = re.compile(r"create_position_ids_from_input_ids|padding_idx \+
 
 
 def _numbering_candidates() -> list[tuple[str, str]]:
-    """Every sweep target (``packfree_plugin.gate.sweep.targets``) of the installed transformers whose modeling
+    """Every sweep target (``tooling.sweep.run.targets``) of the installed transformers whose modeling
     source holds such numbering code (files read as text: nothing imported at collection)."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 

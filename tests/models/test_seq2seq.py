@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import packfree_plugin
 from packfree_plugin import Boundaries
-from packfree_plugin.packing_seq2seq import Seq2SeqPackedCollator
+from packfree_plugin.packing import Seq2SeqPackedCollator
 from tests.conftest import assert_close
 
 BART_TYPES = ["bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus",

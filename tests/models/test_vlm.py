@@ -9,7 +9,7 @@ from functools import cache
 import pytest
 import torch
 
-from packfree_plugin.packing_vision import VisionPackedCollator
+from packfree_plugin.packing import VisionPackedCollator
 from tests.conftest import assert_close
 from tests.models.vlm_cases import CASES, PALIGEMMA, VLMCase
 

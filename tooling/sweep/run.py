@@ -1,9 +1,9 @@
-"""The sweep: prove every model type of the installed transformers and record what is exact.
+"""The sweep's runs: prove every target of the installed transformers and classify it.
 
-``python -m packfree_plugin.gate.sweep`` builds, for every target (each ``MODEL_FOR_CAUSAL_LM`` and
-``MODEL_FOR_MASKED_LM`` type, head and base model; the base model of every catalogue type; the token- and
-sequence-classification heads of :data:`HEAD_FAMILIES`), a tiny random model (:func:`.shrink.tiny_config_for`), runs the isolation proof with
-the gate bypassed (what packfree itself does) and classifies the target:
+For every target (each ``MODEL_FOR_CAUSAL_LM`` and ``MODEL_FOR_MASKED_LM`` type, head and base model; the base model
+of every catalogue type; the token- and sequence-classification heads of :data:`HEAD_FAMILIES`) the sweep builds a
+tiny random model (:func:`packfree_plugin.gate.shrink.tiny_config_for`), runs the isolation proof with the gate
+bypassed (what packfree itself does) and classifies the target:
 
 - ``exact``; ``wrong`` (silently wrong: it ran and gave other results);
 - ``refused`` (a ``ValueError`` / ``NotImplementedError`` at load or on the packed row);
@@ -12,36 +12,25 @@ the gate bypassed (what packfree itself does) and classifies the target:
   stock's text-only forward; or the time limit).
 
 For every target that is not exact it also records whether the gate refuses it at load. Targets run in
-worker processes (``--jobs``) with a per-target time limit, so one hang cannot stall the sweep. It writes
-:data:`~.admission.VERIFIED_FILE` (keyed by transformers version: the exact classes and every result) and the
-support matrix :data:`MATRIX_FILE`, also spliced into :data:`SUPPORT_DOC` between :data:`MATRIX_MARKERS`.
+worker processes (``--jobs``) with a per-target time limit, so one hang cannot stall the sweep.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .admission import VERIFIED_FILE
+__all__ = ["HEAD_FAMILIES", "Result", "Target", "run_target", "run_worker", "sweep", "targets", "tiny_target"]
 
-__all__ = ["GATE_CHECKS_FILE", "HEAD_FAMILIES", "MATRIX_FILE", "Result", "Target", "render_gate_checks", "render_matrix",
-           "run_target", "targets", "tiny_target"]
-
-MATRIX_FILE = Path(__file__).with_name("support_matrix.md")
-SUPPORT_DOC = Path(__file__).resolve().parents[2] / "docs" / "support-matrix.md"
-"""The source checkout's support-matrix page (absent from an installed wheel: then only MATRIX_FILE is written)."""
-MATRIX_MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
-GATE_CHECKS_FILE = Path(__file__).with_name("gate_checks.md")
-"""What the gate does on each class's default and ModelTester-style configs (:func:`render_gate_checks`)."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The source checkout the sweep runs from (its workers import ``tooling`` from here)."""
 HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
                  "olmo2", "mixtral", "bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra",
                  "modernbert", "albert", "mpnet", "camembert")
@@ -78,7 +67,7 @@ def targets() -> list[Target]:
     """Every target of the installed transformers, in a stable order."""
     from transformers.models.auto import modeling_auto as auto
 
-    from ..catalogue import CATALOGUE
+    from packfree_plugin.catalogue import CATALOGUE
 
     found: dict[Target, None] = {}
     for group, mapping in (("causal", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
@@ -131,7 +120,7 @@ def tiny_target(target: Target) -> tuple[type, Any]:
     """``(class, tiny config)`` the sweep builds ``target`` from."""
     import transformers
 
-    from .shrink import tiny_config_for
+    from packfree_plugin.gate.shrink import tiny_config_for
 
     cls = getattr(transformers, target.cls)
     config = tiny_config_for(target.model_type)
@@ -142,8 +131,8 @@ def tiny_target(target: Target) -> tuple[type, Any]:
 
 
 def _prove_target(target: Target) -> Result:
-    from .admission import bypassed, prove_tiny_copy, switches
-    from .proof import alone_outputs, build_pair, build_stock, prove, sample_tokens
+    from packfree_plugin.gate.admission import bypassed, prove_tiny_copy, switches
+    from packfree_plugin.gate.proof import alone_outputs, build_pair, build_stock, prove, sample_tokens
 
     result = Result(target.group, target.model_type, target.cls, "unbuildable")
     try:
@@ -203,8 +192,9 @@ def tester_config(config):
     their defaults derived from these."""
     import dataclasses
 
-    from .shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS, _is_width,
-                         _remap_special_ids, _runs_on_tokens, _shrink_layers, _without_derived)
+    from packfree_plugin.gate.shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS,
+                                             _is_width, _remap_special_ids, _runs_on_tokens, _shrink_layers,
+                                             _without_derived)
 
     values = config.to_dict()
     text_config = config.get_text_config(decoder=True)
@@ -250,8 +240,8 @@ def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
     config itself: packfree's problem), ``config: ...`` (stock cannot make the config, or raises on the config
     itself what it raised on its tiny copy, :class:`.admission.NoCopyError`; or with ``stock_runs_it``, a small
     one, cannot build and run it as it is)."""
-    from .admission import NoCopyError, _check_size, bypassed, prove_copy
-    from .proof import alone_outputs, build_stock, sample_tokens
+    from packfree_plugin.gate.admission import NoCopyError, _check_size, bypassed, prove_copy
+    from packfree_plugin.gate.proof import alone_outputs, build_stock, sample_tokens
 
     try:
         config = make_config()
@@ -290,7 +280,7 @@ def user_config_checks(target: Target, result: Result) -> None:
     import transformers
     from transformers import AutoConfig
 
-    from .shrink import _PUBLISHED, shrink_config, tiny_config_for
+    from packfree_plugin.gate.shrink import _PUBLISHED, shrink_config, tiny_config_for
 
     cls = getattr(transformers, target.cls)
 
@@ -313,7 +303,7 @@ def user_config_checks(target: Target, result: Result) -> None:
 
 
 # ------------------------------------------------------------------------------------------ workers
-def _worker() -> None:
+def run_worker() -> None:
     """Read one target per stdin line (JSON), write one result per stdout line (JSON)."""
     import logging
     import warnings
@@ -333,9 +323,11 @@ def _worker() -> None:
 
 class _Worker:
     def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "packfree_plugin.gate.sweep", "--worker"],
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        self.process = subprocess.Popen([sys.executable, "-m", "tooling.sweep", "--worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+                                        text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error",
+                                                        "PYTHONPATH": path})
         self.target: Target | None = None
         self.started = 0.0
 
@@ -400,142 +392,3 @@ def _replace(workers: list[_Worker], worker: _Worker, selector) -> _Worker:
     workers[workers.index(worker)] = fresh
     selector.register(fresh.process.stdout, selectors.EVENT_READ, fresh)
     return fresh
-
-
-# ------------------------------------------------------------------------------------------ outputs
-_STATUS_TEXT = {"exact": "exact", "wrong": "silently wrong under stock packfree: refused at load",
-                "refused": "refused", "internal": "internal error under stock packfree: refused at load",
-                "unbuildable": "not buildable"}
-
-
-GROUPS = ("causal", "masked", "backbone", "token", "sequence")
-"""The sweep's target groups, in the order the generated tables list them."""
-
-
-def render_matrix(version: str, results: Sequence[Result]) -> str:
-    """The support matrix (Markdown): counts per group and status, then one row per target."""
-    statuses = ("exact", "wrong", "refused", "internal", "unbuildable")
-    counts = Counter((r.group, r.status) for r in results)
-    lines = [f"Generated by `python -m packfree_plugin.gate.sweep` for transformers {version}: each model class built "
-             "tiny (random weights, float32), a packed row of 3 samples compared with each sample alone on stock "
-             "`sdpa`/`eager` (max |diff| < 1e-4), three ways: with `position_ids` only, with "
-             "`DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)` kwargs, and with "
-             "`cu_seq_lens` and no ids. "
-             "Only **exact** classes load with `attn_implementation=\"packfree\"` at no cost; every other class "
-             "is proved on a tiny copy at load and refused unless exact.", "",
-             "| group | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
-    for group in GROUPS:
-        lines.append(f"| {group} | " + " | ".join(str(counts[(group, s)]) for s in statuses) + " |")
-    lines += ["", "<details><summary>Every class</summary>", "", "| model type | class | group | status | detail |",
-              "|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
-        detail = r.detail.replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_STATUS_TEXT[r.status]} | {detail} |")
-    lines += ["", "</details>", ""]
-    return "\n".join(lines)
-
-
-def render_gate_checks(version: str, results: Sequence[Result]) -> str:
-    """The gate on a user's configs (Markdown): per group, what :func:`user_config_checks` found."""
-    kinds = ("exact", "refused", "no copy", "config")
-    gate = Counter((r.group, which, _gate_kind(getattr(r, which))) for r in results
-                   for which in ("default_config", "tester_config"))
-    lines = [f"Generated by `python -m packfree_plugin.gate.sweep` for transformers {version}: the gate on a user's "
-             "config of each class, as for a class it has not verified (proved on a copy: a tiny one, else the "
-             "config cut in depth and width): the config class's defaults, and a ModelTester-style config (hidden "
-             "32, 2 heads, 2 key/value heads). **no copy**: stock runs no copy small enough to prove; **config**: "
-             "stock cannot make the config or run it as it is.", "",
-             "| group | config | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
-    for group in GROUPS:
-        for which in ("default_config", "tester_config"):
-            lines.append(f"| {group} | {which.split('_')[0]} | "
-                         + " | ".join(str(gate[(group, which, kind)]) for kind in kinds) + " |")
-    lines += ["", "| model type | class | group | defaults | tester config |", "|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
-        if _gate_kind(r.default_config) in ("", "exact") and _gate_kind(r.tester_config) in ("", "exact"):
-            continue
-        cells = [v.replace("|", "\\|").replace("\n", " ")[:120] for v in (r.default_config, r.tester_config)]
-        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines + [""])
-
-
-def _gate_kind(verdict: str) -> str:
-    """The kind of a :func:`_gate_on` verdict (``exact``, ``refused``, ``no copy``, ``config``; empty if unchecked)."""
-    return verdict.split(":")[0]
-
-
-def load_results(version: str) -> list[Result]:
-    """The results recorded in :data:`VERIFIED_FILE` for transformers ``version`` (empty if none)."""
-    if not VERIFIED_FILE.exists():
-        return []
-    return [Result(**r) for r in json.loads(VERIFIED_FILE.read_text()).get(version, {}).get("results", [])]
-
-
-def documented_version() -> str | None:
-    """The newest transformers version with recorded results: the one the matrix and its docs page document."""
-    from packaging.version import Version
-
-    versions = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
-    return max(versions, key=Version, default=None)
-
-
-def write_outputs(version: str, results: Sequence[Result], doc: Path | None) -> None:
-    """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`; for the newest version recorded, also the
-    matrix file and the section of ``doc`` between :data:`MATRIX_MARKERS`."""
-    data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
-    exact: dict[str, list[str]] = {}
-    proved: dict[str, dict] = {}
-    for r in sorted(results, key=lambda r: (r.model_type, r.cls)):
-        if r.status == "exact":  # keyed as the gate sees a model: its config's model_type and its class
-            exact.setdefault(r.config_type, []).append(r.cls)
-            proved.setdefault(r.config_type, r.switches or {})
-    ordered = sorted(results, key=lambda r: (r.group, r.model_type, r.cls))
-    data[version] = {"exact": {k: sorted(set(v)) for k, v in sorted(exact.items())}, "switches": proved,
-                     "results": [{k: v for k, v in asdict(r).items() if k != "switches"} for r in ordered]}
-    VERIFIED_FILE.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
-    if version != documented_version():  # the matrix documents the newest transformers swept
-        return
-    matrix = render_matrix(version, ordered)
-    MATRIX_FILE.write_text(matrix)
-    GATE_CHECKS_FILE.write_text(render_gate_checks(version, ordered))
-    if doc is not None and doc.exists():
-        text = doc.read_text()
-        start, end = MATRIX_MARKERS
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            doc.write_text(head + start + "\n" + matrix + end + rest.split(end, 1)[1])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m packfree_plugin.gate.sweep", description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
-    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per target (default 120)")
-    parser.add_argument("--only", nargs="*", help="model types to re-run (merged into the recorded results)")
-    parser.add_argument("--doc", default=str(SUPPORT_DOC),
-                        help="Markdown page whose support-matrix section is replaced (default docs/support-matrix.md)")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker()
-        return 0
-    import transformers
-
-    chosen = targets()
-    previous: list[Result] = []
-    if args.only:
-        recorded = json.loads(VERIFIED_FILE.read_text()).get(transformers.__version__, {}).get("switches", {})
-        previous = [r for r in load_results(transformers.__version__) if r.model_type not in args.only]
-        for r in previous:
-            r.switches = recorded.get(r.config_type) if r.status == "exact" else None
-        chosen = [t for t in chosen if t.model_type in args.only]
-    results = previous + sweep(chosen, jobs=args.jobs, time_limit=args.time_limit)
-    write_outputs(transformers.__version__, results, Path(args.doc))
-    counts = Counter((r.group, r.status) for r in results)
-    counts.update((r.group, f"{which}={_gate_kind(getattr(r, which))}") for r in results
-                  for which in ("default_config", "tester_config"))
-    print(json.dumps({f"{g}/{s}": n for (g, s), n in sorted(counts.items())}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .packing import _check_max_tokens
+from .rows import _check_max_tokens
 
 __all__ = ["Seq2SeqPackedCollator", "pack_pairs"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packfree_plugin.packing_vision import VisionPackedCollator
+from packfree_plugin.packing import VisionPackedCollator
 from tests.conftest import assert_close
 from tests.models.vlm_cases import CASES, VLMCase
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .rope_ids import uses_mrope
-from .packing import PackedCollator, pack_best_fit_decreasing
+from ..rope_ids import uses_mrope
+from .rows import PackedCollator, pack_best_fit_decreasing
 
 __all__ = ["VisionPackedCollator"]
 

@@ -8,15 +8,20 @@ whole row. Mixers would see only their shard. Nothing there can carry the row's 
 packed row inside it at the first forward (before any backward) and names the exact route: DeepSpeed Ulysses with
 :func:`packfree_plugin.parallel.prepare_sequence_parallel`.
 
-The model entry (:mod:`.model_entry`) applies this check to every packed forward, so it sits below it, and below
-:mod:`.parallel`, which builds on the entry.
+:func:`packfree_plugin.apply` adds the refusal to the model entry's read checks
+(:func:`packfree_plugin.model_entry.add_read_check`), so the entry runs it on every batch it reads without knowing of
+parallelism: the entry stays below this package, which builds on it.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..boundaries import Boundaries
 
 __all__ = ["refuse_packed_rows_under_context_parallel", "torch_context_parallel_active"]
 
@@ -37,9 +42,9 @@ def torch_context_parallel_active() -> bool:
     return any(op in handlers for op in getattr(module, "custom_ops", {}))
 
 
-def refuse_packed_rows_under_context_parallel(is_packed: bool) -> None:
+def refuse_packed_rows_under_context_parallel(boundaries: Boundaries) -> None:
     """Raise ``ValueError`` for a packed row inside torch's context parallelism."""
-    if is_packed and torch_context_parallel_active():
+    if boundaries.is_packed and torch_context_parallel_active():
         raise ValueError(
             "a packed row (several samples per row) inside torch's context_parallel (accelerate "
             "ParallelismConfig(cp_size=...)): its ring attention masks causally over the whole row, so samples would "

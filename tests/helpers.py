@@ -1,4 +1,5 @@
-"""Shared helpers for the end-to-end tests: a packfree model and its stock twin, samples, batch layouts."""
+"""Helpers shared by the tests (import them from here; conftest.py files hold fixtures and hooks): a packfree model
+and its stock twin, samples, batch layouts, gradient comparisons."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 import packfree_plugin
-from packfree_plugin.packing_seq2seq import Seq2SeqPackedCollator, pack_pairs
+from packfree_plugin.packing import Seq2SeqPackedCollator, pack_pairs
 from tests.conftest import assert_close
 
 EXAMPLES = [{"input_ids": [11, 12, 13], "labels": [21, 22]},
