@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +35,16 @@ GROUPS = ("causal", "masked", "backbone", "token", "sequence")
 """The sweep's target groups, in the order the generated tables list them."""
 
 
+def _table_head(*columns: str) -> list[str]:
+    """A Markdown table's header line and its rule line."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _cell(text: str, width: int) -> str:
+    """``text`` as one Markdown table cell: pipes escaped, on one line, at most ``width`` characters."""
+    return text.replace("|", "\\|").replace("\n", " ")[:width]
+
+
 def render_matrix(version: str, results: Sequence[Result]) -> str:
     """The support matrix (Markdown): counts per group and status, then one row per target."""
     statuses = ("exact", "wrong", "refused", "internal", "unbuildable")
@@ -46,14 +56,13 @@ def render_matrix(version: str, results: Sequence[Result]) -> str:
              "`cu_seq_lens` and no ids. "
              "Only **exact** classes load with `attn_implementation=\"packfree\"` at no cost; every other class "
              "is proved on a tiny copy at load and refused unless exact.", "",
-             "| group | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
+             *_table_head("group", *statuses)]
     for group in GROUPS:
         lines.append(f"| {group} | " + " | ".join(str(counts[(group, s)]) for s in statuses) + " |")
-    lines += ["", "<details><summary>Every class</summary>", "", "| model type | class | group | status | detail |",
-              "|---|---|---|---|---|"]
+    lines += ["", "<details><summary>Every class</summary>", "",
+              *_table_head("model type", "class", "group", "status", "detail")]
     for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
-        detail = r.detail.replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_STATUS_TEXT[r.status]} | {detail} |")
+        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_STATUS_TEXT[r.status]} | {_cell(r.detail, 160)} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)
 
@@ -69,17 +78,17 @@ def render_gate_checks(version: str, results: Sequence[Result]) -> str:
              "and width): the config class's defaults, and a ModelTester-style config (hidden "
              "32, 2 heads, 2 key/value heads). **no copy**: stock runs no copy small enough to prove; **config**: "
              "stock cannot make the config or run it as it is.", "",
-             "| group | config | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+             *_table_head("group", "config", *kinds)]
     for group in GROUPS:
         for which in ("default_config", "tester_config"):
             lines.append(f"| {group} | {which.split('_')[0]} | "
                          + " | ".join(str(gate[(group, which, kind)]) for kind in kinds) + " |")
-    lines += ["", "| model type | class | group | defaults | tester config |", "|---|---|---|---|---|"]
+    lines += ["", *_table_head("model type", "class", "group", "defaults", "tester config")]
     for r in sorted(results, key=lambda r: (r.model_type, r.group, r.cls)):
         if gate_kind(r.default_config) in ("", "exact") and gate_kind(r.tester_config) in ("", "exact"):
             continue
-        cells = [v.replace("|", "\\|").replace("\n", " ")[:120] for v in (r.default_config, r.tester_config)]
-        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {r.model_type} | {r.cls} | {r.group} | {_cell(r.default_config, 120)} | "
+                     f"{_cell(r.tester_config, 120)} |")
     return "\n".join(lines + [""])
 
 
@@ -90,23 +99,30 @@ def gate_kind(verdict: str) -> str:
 
 def load_results(version: str) -> list[Result]:
     """The results recorded in :data:`VERIFIED_FILE` for transformers ``version`` (empty if none)."""
-    if not VERIFIED_FILE.exists():
-        return []
-    return [Result(**r) for r in json.loads(VERIFIED_FILE.read_text()).get(version, {}).get("results", [])]
+    return [Result(**r) for r in _recorded().get(version, {}).get("results", [])]
+
+
+def _recorded() -> dict:
+    """:data:`VERIFIED_FILE`'s content, keyed by transformers version (empty if absent)."""
+    return json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
+
+
+def _newest(versions: Iterable[str]) -> str | None:
+    """The newest of transformers ``versions`` (None if there are none)."""
+    from packaging.version import Version
+
+    return max(versions, key=Version, default=None)
 
 
 def documented_version() -> str | None:
     """The newest transformers version with recorded results: the one the matrix and its docs page document."""
-    from packaging.version import Version
-
-    versions = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
-    return max(versions, key=Version, default=None)
+    return _newest(_recorded())
 
 
 def write_outputs(version: str, results: Sequence[Result], doc: Path = SUPPORT_DOC) -> None:
     """Record ``results`` for ``version`` in :data:`VERIFIED_FILE`; for the newest version recorded, also the
     section of ``doc`` between :data:`MATRIX_MARKERS` (the matrix) and :data:`GATE_CHECKS_FILE`."""
-    data = json.loads(VERIFIED_FILE.read_text()) if VERIFIED_FILE.exists() else {}
+    data = _recorded()
     exact: dict[str, list[str]] = {}
     proved: dict[str, dict] = {}
     for r in sorted(results, key=lambda r: (r.model_type, r.cls)):
@@ -117,7 +133,7 @@ def write_outputs(version: str, results: Sequence[Result], doc: Path = SUPPORT_D
     data[version] = {"exact": {k: sorted(set(v)) for k, v in sorted(exact.items())}, "switches": proved,
                      "results": [{k: v for k, v in asdict(r).items() if k != "switches"} for r in ordered]}
     VERIFIED_FILE.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
-    if version != documented_version():  # the matrix documents the newest transformers swept
+    if version != _newest(data):  # the matrix documents the newest transformers swept
         return
     text = doc.read_text()
     start, end = MATRIX_MARKERS
