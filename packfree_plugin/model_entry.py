@@ -8,7 +8,7 @@ call all run the same steps, in this order:
    them: the cache switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE
    refusal, the checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
 2. **the steps other layers add**, in the order added (:func:`add_step`): the per-sample decoder inputs of
-   :mod:`.adapters.positions`, the sequence-parallel shard of :mod:`.parallel.prepare`;
+   :mod:`.adapters.decoder_inputs`, the sequence-parallel shard of :mod:`.parallel.prepare`;
 3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`, :mod:`.adapters.heads`), else the
    model's own forward (one set on the instance before packfree's, such as accelerate's hooks, else its class's);
 4. **leave**: pop what enter pushed, even when a step or the forward raised.

@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from .adapters.heads import unwrap_heads, wrap_heads
-from .adapters.positions import reads_boundaries_in_layers, unwrap_positions, wrap_positions
+from .adapters.quirks import apply_quirks, remove_quirks
+from .adapters.whole_row import reads_boundaries_in_layers
 from .adapters.mixers import check_coverage, unwrap_mixers, wrap_mixers
 from .compat import check_transformers_version
 from .gate import admit
@@ -46,7 +47,7 @@ def apply(model: nn.Module) -> nn.Module:
     mixers = wrap_mixers(model)
     wrap_heads(model)
     apply_model_hook(model, layer_hooks=bool(mixers) or reads_boundaries_in_layers(model))
-    wrap_positions(model)
+    apply_quirks(model)
     sentence_transformers.install_if_imported()
     return model
 
@@ -56,7 +57,7 @@ def release(model: nn.Module) -> nn.Module:
     instance forward packfree gave ``model``'s modules removed, so it runs exactly as stock. Returns ``model``."""
     remove_model_hook(model)
     unwrap_heads(model)
-    unwrap_positions(model)
+    remove_quirks(model)
     unwrap_mixers(model)
     for module in model.modules():  # what packfree cached on its modules (stock configs, chunk sizes, marks)
         for name in [name for name in module.__dict__ if name.startswith("_packfree_")]:

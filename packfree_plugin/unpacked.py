@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from .keywords import PACKING_KWARGS
+from .model_quirks import config_quirk, switched_on
 
-__all__ = ["MASK_SLICING_MODELS", "carries_packing_signal", "has_holes", "ids_restart",
+__all__ = ["carries_packing_signal", "has_holes", "ids_restart",
            "reads_as_one_sample_per_row", "slices_its_mask"]
 
 def has_holes(attention_mask: torch.Tensor) -> bool:
@@ -77,18 +78,12 @@ def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
     return isinstance(mask, torch.Tensor) and mask.ndim == 2 and not carries_packing_signal(arguments)
 
 
-MASK_SLICING_MODELS: dict[str, str] = {
-    "gemma4_text": "num_kv_shared_layers",  # mask[:, :, slice(-logits_to_keep, None), :] before its KV-shared layers
-    "gemma4_unified_text": "num_kv_shared_layers",
-}
-"""Model type -> the config switch under which the model's own code indexes the masks it builds, as found by a sweep
-of transformers' modeling files (subscripts of ``create_*_mask`` results and of their mappings' values) and confirmed
-by running each (the sweep's other finds, VisualBERT under ``bypass_transformer`` and Longformer, are refused at
-load for their attention). An unpacked batch of these gets stock's mask tensors; on a packed row the boundaries are
-indexed (:meth:`~packfree_plugin.boundaries.Boundaries.__getitem__`: exact where nothing is cut, refused otherwise)."""
-
-
 def slices_its_mask(config: Any) -> bool:
-    """Whether the model of ``config`` (a text config, as mask functions receive it) indexes its masks."""
-    switch = MASK_SLICING_MODELS.get(getattr(config, "model_type", None))
-    return switch is not None and bool(getattr(config, switch, False))
+    """Whether the model of ``config`` (a text config, as mask functions receive it) indexes its masks: a
+    ``slices_mask`` quirk of its config class (:data:`packfree_plugin.model_quirks.QUIRKS`), as found by a sweep of
+    transformers' modeling files (subscripts of ``create_*_mask`` results and of their mappings' values) and confirmed
+    by running each (the sweep's other finds, VisualBERT under ``bypass_transformer`` and Longformer, are refused at
+    load for their attention). An unpacked batch of these gets stock's mask tensors; on a packed row the boundaries
+    are indexed (:meth:`~packfree_plugin.boundaries.Boundaries.__getitem__`: exact where nothing is cut, refused
+    otherwise)."""
+    return switched_on(config_quirk(config).slices_mask, config)

@@ -8,8 +8,8 @@ is what stock gives the sample alone *with those ids*, but not what the model gi
 its checkpoint was trained with. :func:`check_callers_ids` says so, once per model class; it stays silent for models
 that number from 0 and for ids that already start where the model starts.
 
-Which modules number this way, and by which rule, is the position adapters' table
-(:data:`packfree_plugin.adapters.positions.POSITION_ADAPTERS`); this module reads the start off each module
+Which modules number this way, and by which rule, is their class's ``numbering`` quirk
+(:data:`packfree_plugin.model_quirks.QUIRKS`); this module reads the start off each module
 (its ``padding_idx``, its buffer) and depends on nothing of packfree but the boundaries.
 """
 

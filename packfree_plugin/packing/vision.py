@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model_quirks import config_quirk
 from ..rope_ids import uses_mrope
 from .rows import PackedCollator, pack_best_fit_decreasing
 
@@ -39,8 +40,6 @@ _TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 """Per-token image markers (1 on image tokens): laid out like ``input_ids``, 0 on padding."""
 _ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 """What ``get_rope_index`` reads besides ``input_ids`` and ``mm_token_type_ids``."""
-_IMAGES_PER_ROW = frozenset({"idefics2", "idefics3", "smolvlm"})
-"""Model types whose image tensors are ``[B, images, ...]`` (one entry per row) rather than ``[images, ...]``."""
 
 
 def _ids(value: Any, what: str) -> torch.Tensor:
@@ -62,7 +61,7 @@ class VisionPackedCollator:
             is given, or for a model with ordinary RoPE.
         rope_index: ``get_rope_index(input_ids [1, T], mm_token_type_ids [1, T], image_grid_thw=..., ...)`` ->
             ``(positions [R, 1, T], deltas)``; overrides the model's. Its presence means multimodal positions.
-        images_per_row: image tensors are ``[B, images, ...]``; default from the model type (Idefics3, SmolVLM).
+        images_per_row: image tensors are ``[B, images, ...]``; default from the config class's quirk (Idefics3, SmolVLM).
         rows_per_batch / max_tokens / pad_token_id / label_pad: as :class:`PackedCollator` (``max_tokens`` is the
             row length when ``rows_per_batch > 1``, else an optional budget). Samples are never truncated: that
             could cut an image's placeholders.
@@ -94,7 +93,7 @@ class VisionPackedCollator:
             rope_index = owner.get_rope_index
         self.rope_index = rope_index
         if images_per_row is None:
-            images_per_row = getattr(config, "model_type", None) in _IMAGES_PER_ROW
+            images_per_row = config_quirk(config).images_per_row
         self.images_per_row = images_per_row
         self.pad_token_id = int(pad_token_id)
         self._text = PackedCollator(rows_per_batch, max_tokens, pad_token_id, label_pad, return_seq_idx=False,

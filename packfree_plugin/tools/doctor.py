@@ -206,15 +206,15 @@ def position_numbering(target: str) -> str:
     padding_idx + 1 = N (...)``, ``from N, its position_ids buffer (...)`` or ``not by ids``
     (:meth:`packfree_plugin.adapters.numbering.Numbering.describe`). Built on the meta device; a position buffer,
     which has no values there, is made again on the CPU by the model's own initialisation."""
-    from ..adapters.positions import POSITION_ADAPTERS, numbering_of
+    from ..adapters.positions import numbering_of
+    from ..model_quirks import quirk_of
     from ..tiny import auto_class, load_config
 
     config = load_config(target)
     with torch.device("meta"):
         model = auto_class(config).from_config(config, attn_implementation="eager")
     for module in model.modules():
-        adapter = POSITION_ADAPTERS.get(type(module).__name__)
-        if adapter is not None and adapter.numbering == "position_buffer" and module.position_ids.is_meta:
+        if quirk_of(type(module).__name__).numbering == "position_buffer" and module.position_ids.is_meta:
             module.to_empty(device="cpu", recurse=False)
             model._init_weights(module)
     return numbering_of(model).describe()

@@ -261,7 +261,7 @@ def test_a_mask_pattern_packfree_does_not_compute_is_refused() -> None:
     """The mask function is replaced by the boundaries; one packfree cannot compute must raise, not vanish."""
     from transformers import masking_utils as masks
 
-    from packfree_plugin.attention.interface import _check_pattern
+    from packfree_plugin.attention.masks import _check_pattern
 
     ids = torch.zeros(1, 4, dtype=torch.long)
     chunked = masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))

@@ -285,7 +285,7 @@ def test_the_tables_name_installed_classes() -> None:
 
     from packfree_plugin.adapters import mixers  # noqa: F401 - mixers fills the registry
     from packfree_plugin.adapters.entry import REGISTRY
-    from packfree_plugin.attention.interface import MASK_HALF_WIDTH_WINDOWS
+    from packfree_plugin.model_quirks import classes_with
 
     named = {name for name, adapter in REGISTRY.items() if adapter.family in
              {"bert_era_encoder", "encoder", "luke_encoder", "layoutlm_attention", "padding_mask_encoder"}}
@@ -296,7 +296,7 @@ def test_the_tables_name_installed_classes() -> None:
     assert all(REGISTRY[name].refused for name in refused)
     assert len(named) == 17 and not (named | refused) - defined
     folders = {"T5GemmaSelfAttention": "t5gemma", "MuseGlimmerAssistantAttention": "muse_glimmer_assistant"}
-    assert set(folders) == MASK_HALF_WIDTH_WINDOWS
+    assert set(folders) == classes_with("half_width_window")
     for name, folder in folders.items():
         try:
             module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")

@@ -24,7 +24,7 @@ import transformers
 
 import packfree_plugin
 from packfree_plugin import Boundaries
-from packfree_plugin.unpacked import MASK_SLICING_MODELS
+from packfree_plugin.model_quirks import classes_with
 from tests.conftest import assert_close
 
 SAMPLES = (4, 3, 2)
@@ -75,8 +75,9 @@ def test_an_index_that_keeps_every_token_gives_the_boundaries_back() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
-HANDLED = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_unified_text"}
-"""Modeling module -> the model type of :data:`~packfree_plugin.unpacked.MASK_SLICING_MODELS` that covers its cut."""
+HANDLED = {"gemma4": "Gemma4TextConfig", "gemma4_unified": "Gemma4UnifiedTextConfig"}
+"""Modeling module -> the config class whose ``slices_mask`` quirk (:data:`packfree_plugin.model_quirks.QUIRKS`) covers
+its cut."""
 REFUSED_AT_LOAD = {"longformer": "LongformerSelfAttention", "visual_bert": "VisualBertSelfAttention"}
 """Modules whose cut the gate never lets a packfree mask reach: it refuses these models at load for their attention."""
 
@@ -147,4 +148,4 @@ def test_every_model_that_cuts_its_mask_is_handled_or_refused_at_load() -> None:
     assert set(REFUSED_AT_LOAD) <= set(found), found  # the sweep finds the known cases (in every release)
     unknown = {module: cuts for module, cuts in found.items() if module not in {**HANDLED, **REFUSED_AT_LOAD}}
     assert not unknown, f"models that cut the mask they build, neither handled nor refused at load: {unknown}"
-    assert set(HANDLED.values()) == set(MASK_SLICING_MODELS)
+    assert set(HANDLED.values()) == classes_with("slices_mask")

@@ -14,7 +14,8 @@ import torch
 import transformers
 
 import packfree_plugin
-from packfree_plugin.adapters.positions import POSITION_ADAPTERS, wrap_positions
+from packfree_plugin.adapters.quirks import apply_quirks
+from packfree_plugin.model_quirks import QUIRKS, quirk_of
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import main_output
 from packfree_plugin.gate.shrink import tiny_config_for
@@ -163,9 +164,9 @@ def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> N
     model, stock, implementation = _pair(model_type, class_name)
     rows = _samples(model.config)
     assert _max_diff_from_alone(model, stock, rows, "cu_seq_lens") < _tolerance(model, implementation)
-    assert wrap_positions(model)
+    assert apply_quirks(model)
     for module in model.modules():
-        if type(module).__name__ in POSITION_ADAPTERS:
+        if quirk_of(type(module).__name__).numbering is not None:
             del module.__dict__["forward"]
         hook = module.__dict__.pop("_packfree_decoder_inputs_hook", None)
         if hook is not None:
@@ -388,7 +389,6 @@ def test_kosmos_2_5s_text_positions_from_padding_idx(monkeypatch) -> None:
     the gate's proof of text-only packed rows against each sample alone on stock is exact in every mode, and without
     the position adapter the rows without ids (``cu_seq_lens`` alone) are wrong, so the proof can fail. (It was
     refused at load before.)"""
-    from packfree_plugin.adapters import positions
     from packfree_plugin.gate.proof import build_pair, prove
 
     config = tiny_config_for("kosmos-2.5")
@@ -396,7 +396,7 @@ def test_kosmos_2_5s_text_positions_from_padding_idx(monkeypatch) -> None:
         model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
     proof = prove(model, stock, stock_name=implementation)
     assert proof.exact, proof.summary()
-    monkeypatch.delitem(positions.POSITION_ADAPTERS, "Kosmos2_5TextSinusoidalPositionalEmbedding")
+    monkeypatch.delitem(QUIRKS, "Kosmos2_5TextSinusoidalPositionalEmbedding")
     with bypassed():
         model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
     proof = prove(model, stock, stock_name=implementation, diagnose=False)

@@ -352,7 +352,7 @@ def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
     from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
 
     from packfree_plugin import Boundaries, context
-    from packfree_plugin.attention.interface import packfree_attention_mask
+    from packfree_plugin.attention.masks import packfree_attention_mask
 
     boundaries = Boundaries.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
     chunked = and_masks(causal_mask_function, chunked_overlay(2, torch.zeros(1, dtype=torch.long)))
