@@ -24,15 +24,11 @@ it acts. Sequence mixers are not quirks: they are the mixer registry (:mod:`.ada
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NUMBERING_RULES", "QUIRKS", "DenseMask", "Quirk", "classes_with", "config_quirk", "quirk_of",
+__all__ = ["QUIRKS", "DenseMask", "Quirk", "classes_with", "config_quirk", "quirk_of",
            "switched_on"]
-
-NUMBERING_RULES = ("after_padding_idx", "position_buffer", "by_shape", "per_sample")
-"""How an embedding module numbers each packed sample (:mod:`.adapters.positions` explains each)."""
-
 
 @dataclass(frozen=True)
 class DenseMask:
@@ -50,7 +46,8 @@ class Quirk:
     """What one class does on a packed row that packfree must handle (every field but ``notes`` defaults to: no)."""
 
     numbering: str | None = None
-    """Embedding module: one of :data:`NUMBERING_RULES`."""
+    """Embedding module: the name of its rule in :data:`.adapters.positions.RULES` (``after_padding_idx``,
+    ``position_buffer``, ``by_shape``, ``per_sample``)."""
     shifted_decoder_input: str | None = None
     """Seq2seq model: the argument its forward shifts right into ``decoder_input_ids`` when none are given."""
     dense_mask: DenseMask | None = None
@@ -72,27 +69,15 @@ class Quirk:
     """Config class: its image tensors are ``[B, images, ...]`` (one entry per row), not ``[images, ...]``."""
     notes: str = ""
 
-    def __post_init__(self) -> None:
-        if self.numbering is not None and self.numbering not in NUMBERING_RULES:
-            raise ValueError(f"numbering must be one of {NUMBERING_RULES}, not {self.numbering!r}")
-
 
 def _entries(*groups: tuple[Iterable[str], Quirk]) -> dict[str, Quirk]:
-    """``(class names, quirk)`` groups as one table; a class named in two groups gets both groups' fields."""
+    """``(class names, quirk)`` groups as one table; a class named twice raises (one entry per class)."""
     table: dict[str, Quirk] = {}
-    blank = Quirk()
     for names, quirk in groups:
         for name in names:
-            known = table.get(name)
-            if known is None:
-                table[name] = quirk
-                continue
-            added = {f.name: getattr(quirk, f.name) for f in fields(Quirk)
-                     if f.name != "notes" and getattr(quirk, f.name) != getattr(blank, f.name)}
-            clash = [field for field in added if getattr(known, field) != getattr(blank, field)]
-            if clash:
-                raise ValueError(f"{name}: {', '.join(clash)} given twice")
-            table[name] = replace(known, **added, notes="; ".join(filter(None, (known.notes, quirk.notes))))
+            if name in table:
+                raise ValueError(f"{name} has two quirk entries; give it one with every field it needs")
+            table[name] = quirk
     return table
 
 

@@ -196,7 +196,10 @@ def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Bo
 
 def install_numbering(module: nn.Module, model: nn.Module, path: str) -> None:
     """Give ``module`` (an embedding with a ``numbering`` quirk, at ``path`` in ``model``) its per-sample numbering
-    (idempotent)."""
+    (idempotent). An unknown rule raises ``ValueError``."""
+    rule = quirk_of(type(module).__name__).numbering
+    if rule not in RULES:
+        raise ValueError(f"{type(module).__name__}: numbering quirk {rule!r} is none of {sorted(RULES)}")
     install(module, _position_forward, tag=_TAG)
     mark(module, model, path)
 
