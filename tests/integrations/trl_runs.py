@@ -21,9 +21,11 @@ LM_HEAD_TOLERANCE = 1e-6
 """Relative tolerance of packed against padded log-prob paths: TRL's fused LM head computes its log-softmax in
 float32 whatever the model's dtype, so float64 hidden states that agree to 1e-15 can land one float32 ulp apart
 (1.2e-7 relative) in a log-prob, and one step's update carries that into the next."""
-TOLERANCE = {"qwen3_next": 2e-6, "qwen3_5_text": 2e-6, "mamba2": 1e-5}
+TOLERANCE = {"qwen3_next": 2e-6, "qwen3_5_text": 2e-6, "mamba2": 3e-5}
 """Stock's Gated DeltaNet and Mamba2 torch paths also compute in float32 inside (norms, gates); stock Mamba2 runs
-GRPO's left-padded prompts through its masked path, 3e-6 from each sample alone after one update."""
+GRPO's left-padded prompts through its masked path. On a float64 tiny Mamba2 one forward/backward of four samples
+puts gradients 6.6e-8 (stock left-padded) and 1.3e-7 (packfree packed) from stock with each sample alone; GRPO's
+step-0 gradients then differ by 2.7e-6 and step 1's, after an update, by 1.2e-5 on a Xeon (under 1e-5 on an EPYC)."""
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening, DynamicCache
 
 import packfree_plugin
-from packfree_plugin.attention import interface
+from packfree_plugin.attention import masks
 from tests.conftest import TINY_CAUSAL_LM, assert_close, build_pair, reference_tolerance
 
 MODEL_TYPES = list(TINY_CAUSAL_LM)
@@ -274,7 +274,7 @@ def test_no_dense_mask_is_built_for_a_packed_batch(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a dense attention mask was requested for a packed batch")
 
-    monkeypatch.setattr(interface, "sdpa_mask", refuse)
+    monkeypatch.setattr(masks, "sdpa_mask", refuse)
     model, _ = pair("mistral")
     with torch.no_grad():
         model(**packed_batch(random_samples([40, 30, 50]), "position_ids"))
