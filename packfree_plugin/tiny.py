@@ -12,44 +12,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "auto_class", "is_model_dir", "load_config", "load_model", "tiny_config", "tiny_tokenizer"]
-
-_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
-
-FAMILIES: dict[str, dict[str, Any]] = {
-    # model type: config overrides (on top of hidden size / layers / vocabulary below)
-    "llama": dict(_ATTENTION, intermediate_size=96),
-    "qwen3_next": dict(_ATTENTION, **_GDN, intermediate_size=96, num_experts=0, mlp_only_layers=[0, 1],
-                       layer_types=["linear_attention", "full_attention"]),
-    "qwen3_5_text": dict(_ATTENTION, **_GDN, intermediate_size=96, layer_types=["linear_attention", "full_attention"]),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=8, expand=2),
-    "lfm2": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                 layer_types=["conv", "full_attention"]),
-}
-"""Representative tiny configs: plain attention, a Gated DeltaNet hybrid (Qwen3-Next dense, Qwen3.5), Mamba2,
-and LFM2's short-conv hybrid. Other model types get their default config shrunk, every layer kind kept."""
-
+__all__ = ["auto_class", "is_model_dir", "load_config", "load_model", "tiny_config", "tiny_tokenizer"]
 
 def tiny_config(model_type: str, *, vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int | None = None,
                 **overrides: Any):
-    """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``): :data:`FAMILIES` first, then the
-    per-model-type :data:`~packfree_plugin.catalogue.CATALOGUE` (its own sizes), else the type's defaults
-    shrunk by :func:`packfree_plugin.gate.shrink.tiny_config_for` (every distinct layer kind kept; ``overrides``
-    set on top). ``num_hidden_layers`` defaults to 2 (catalogue: the entry's depth; shrunk: as many layers as
-    cover every layer kind)."""
-    from .catalogue import CATALOGUE, catalogue_config
+    """A fresh tiny config of ``model_type`` (``pad=0, bos=1, eos=2``) from its
+    :data:`~packfree_plugin.catalogue.CATALOGUE` entry: its ``scalable`` settings under these sizes first, else its
+    ``sized`` config, else the type's defaults shrunk by :func:`packfree_plugin.gate.shrink.tiny_config_for` (every
+    distinct layer kind kept; ``overrides`` set on top). ``num_hidden_layers`` defaults to 2 (sized: the entry's
+    depth; shrunk: as many layers as cover every layer kind)."""
+    from .catalogue import catalogue_config, scalable_values, sized_types
     from .gate.shrink import tiny_config_for
 
-    if model_type not in FAMILIES and model_type in CATALOGUE:
+    scalable = scalable_values(model_type)
+    if scalable is None and model_type in sized_types():
         if num_hidden_layers is not None:
             overrides["num_hidden_layers"] = num_hidden_layers
         return catalogue_config(model_type, **overrides)
     num_hidden_layers = num_hidden_layers or 2
     base = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if model_type in FAMILIES:
-        kwargs = {**base, **FAMILIES[model_type], **overrides}
+    if scalable is not None:
+        kwargs = {**base, **scalable, **overrides}
         layer_types = kwargs.get("layer_types")
         if layer_types is not None and len(layer_types) != num_hidden_layers:
             kwargs["layer_types"] = [layer_types[i % len(layer_types)] for i in range(num_hidden_layers)]

@@ -19,9 +19,9 @@ that multiple of the tiny one, and settings the config class derives from others
 the tiny copy with each layer kind twice (weights tied across layers of a kind), then :func:`cut_config`: the
 user's config cut in depth and with every width divided by one power of two (:func:`cut_factors`).
 
-:func:`tiny_config_for` gives the tiny config of a bare model type: the hand-written
-:data:`~packfree_plugin.catalogue.CATALOGUE` entry where there is one, else the type's default config (with the
-published checkpoints' values of :data:`_PUBLISHED` where stock cannot build the default) shrunk.
+:func:`tiny_config_for` gives the tiny config of a bare model type: its hand-written ``sized`` entry of
+:data:`~packfree_plugin.catalogue.CATALOGUE` where there is one, else the type's default config (with the entry's
+``published`` values where stock cannot build the default) shrunk.
 """
 
 from __future__ import annotations
@@ -69,24 +69,6 @@ _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_
                "moe_k", "router_top_k")
 _WINDOW_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention",
                 "attention_window", "window_size", "swa_window_size", "local_attention_window_len")
-_PUBLISHED: dict[str, dict[str, Any]] = {
-    "dbrx": dict(attn_config=dict(clip_qkv=8, kv_n_heads=8, rope_theta=500000)),  # stock: no default rope_theta
-    "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1),
-    "emu3": dict(vocabulary_map={"<image>": 120, "<|extra_200|>": 121, "<|visual token 000000|>": 122,
-                                 "<|visual token 000001|>": 123}),  # BPE ids of VQ codes, in the tiny top ids
-    "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary",
-                token_dropout=True, emb_layer_norm_before=False),  # facebook/esm2_t6_8M_UR50D; no vocabulary by default
-    "reformer": dict(is_decoder=True),  # its causal-LM head asserts it (google/reformer-crime-and-punishment)
-    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
-    "cohere_compass_text": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"],  # NoPE full layers
-                                num_hidden_layers=4, rope_parameters=dict(
-                                    # mrope_section: stock's default, fitted to the tiny heads like any other
-                                    sliding_attention=dict(rope_type="default", rope_theta=50000.0,
-                                                           mrope_section=[24, 20, 20]),
-                                    full_attention=None)),
-}
-"""Model type -> values its published checkpoints set and its default config lacks or gets wrong, so that stock
-cannot build a model from the default (given at full size, before shrinking)."""
 _SPECIAL_IDS = re.compile(r"(_token_id|_token_index|_id)$")
 _PERIOD = re.compile(r"(period|interval|_pattern|every_n|_step$)")
 _OFFSET = re.compile(r"(offset|first_k_dense_replace|num_dense_layers|first_dense)")
@@ -476,12 +458,13 @@ def tiny_config_for(model_type: str):
     """The tiny config of a bare model type: its catalogue entry, else its default config shrunk."""
     from transformers import AutoConfig
 
-    from ..catalogue import CATALOGUE, catalogue_config
+    from ..catalogue import catalogue_config, published_values, sized_types
 
-    if model_type in CATALOGUE:
+    sized = sized_types()
+    if model_type in sized:
         return catalogue_config(model_type)
-    config = shrink_config(AutoConfig.for_model(model_type, **_PUBLISHED.get(model_type, {})))
-    for name, sub in vars(config).items():  # a composite type's text model that has a catalogue entry uses it
-        if isinstance(getattr(sub, "model_type", None), str) and sub.model_type in CATALOGUE:
+    config = shrink_config(AutoConfig.for_model(model_type, **published_values(model_type)))
+    for name, sub in vars(config).items():  # a composite type's text model that has a sized entry uses it
+        if isinstance(getattr(sub, "model_type", None), str) and sub.model_type in sized:
             setattr(config, name, catalogue_config(sub.model_type))
     return config

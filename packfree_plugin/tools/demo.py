@@ -131,14 +131,16 @@ def tokenize_gsm8k(count: int, *, data_file: str | None = None, max_tokens: int 
 # ---------------------------------------------------------------------------------------------- model
 def demo_config(model_type: str, vocab_size: int, *, hidden_size: int = 128, num_layers: int = 4):
     """A small config of ``model_type``; hybrids get Qwen3.5's layout (3 sequence-mixer layers : 1 attention)."""
-    from ..tiny import FAMILIES, tiny_config
+    from ..catalogue import scalable_values
+    from ..tiny import tiny_config
 
+    scalable = scalable_values(model_type) or {}
     overrides: dict[str, Any] = {}
-    kinds = FAMILIES.get(model_type, {}).get("layer_types")
+    kinds = scalable.get("layer_types")
     if kinds:
         mixer, attention = kinds[0], kinds[-1]
         overrides["layer_types"] = [attention if i % 4 == 3 else mixer for i in range(num_layers)]
-    if "intermediate_size" in FAMILIES.get(model_type, {}):
+    if "intermediate_size" in scalable:
         overrides["intermediate_size"] = 2 * hidden_size
     config = tiny_config(model_type, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                          **overrides)

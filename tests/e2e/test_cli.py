@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from packfree_plugin.catalogue import CATALOGUE
+from packfree_plugin.catalogue import sized_types
 from packfree_plugin.tools.cli import main
 from packfree_plugin.tools.demo import WARMUP_STEPS, RunResult, decompose, verdict
 
@@ -184,7 +184,7 @@ def test_help(argv, capsys) -> None:
     assert exit_info.value.code == 0
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t in CATALOGUE if t in CONFIG_MAPPING_NAMES))
+@pytest.mark.parametrize("model_type", sorted(t for t in sized_types() if t in CONFIG_MAPPING_NAMES))
 def test_doctor_and_verify_cover_every_catalogue_type(model_type: str, capsys) -> None:
     """By model type alone (tiny config from the catalogue), every covered type plans boundary-safe layers
     and passes the leak audit."""

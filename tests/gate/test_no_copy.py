@@ -13,7 +13,8 @@ import transformers
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from packfree_plugin.gate.admission import NoCopyError, prove_copy
-from packfree_plugin.gate.shrink import _PUBLISHED, cut_config, shrink_config
+from packfree_plugin.catalogue import published_values
+from packfree_plugin.gate.shrink import cut_config, shrink_config
 from tooling.sweep.render import GATE_CHECKS_FILE
 from tooling.sweep.run import Target, _gate_on, run_target
 
@@ -41,7 +42,7 @@ def test_a_layer_refused_at_load_is_the_verdict_though_stock_cannot_run_a_row_of
 def test_gemma4s_assistant_is_refused_at_load_for_attending_to_its_target_models_keys(model_type: str) -> None:
     """The assistant runs on another model's hidden states and keys/values (stock raises on a row of tokens): packfree
     refuses it at load, saying so, instead of failing to run a copy."""
-    config = shrink_config(AutoConfig.for_model(model_type, **_PUBLISHED.get(model_type, {})))
+    config = shrink_config(AutoConfig.for_model(model_type, **published_values(model_type)))
     cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     stock = cls._from_config(config, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="shared_kv_states cannot be None"):

@@ -73,7 +73,7 @@ def test_layer_index_lists_follow_the_kept_layers(model_type: str, name: str, in
 def test_catalogue_types_use_their_hand_written_config() -> None:
     from packfree_plugin.catalogue import CATALOGUE
 
-    assert tiny_config_for("qwen3_next").layer_types == CATALOGUE["qwen3_next"]["layer_types"]
+    assert tiny_config_for("qwen3_next").layer_types == CATALOGUE["qwen3_next"].sized["layer_types"]
 
 
 def _runs(config, class_name: str) -> torch.Tensor:

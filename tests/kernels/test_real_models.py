@@ -164,7 +164,7 @@ def build(model_type: str, dtype: torch.dtype, state: dict[str, torch.Tensor] | 
     one). By class, not through the auto classes: importing fla registers fla's own Mamba2 under ``"mamba2"``."""
     packfree_plugin.register()
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    config = config_class(**{**CATALOGUE[model_type], **FAMILIES[model_type].overrides})
+    config = config_class(**{**CATALOGUE[model_type].sized, **FAMILIES[model_type].overrides})
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     model = model_class._from_config(config, attn_implementation="packfree", dtype=dtype)
     if state is not None:

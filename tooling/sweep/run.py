@@ -67,7 +67,7 @@ def targets() -> list[Target]:
     """Every target of the installed transformers, in a stable order."""
     from transformers.models.auto import modeling_auto as auto
 
-    from packfree_plugin.catalogue import CATALOGUE
+    from packfree_plugin.catalogue import sized_types
 
     found: dict[Target, None] = {}
     for group, mapping in (("causal", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
@@ -75,7 +75,7 @@ def targets() -> list[Target]:
         for model_type in sorted(mapping):
             for name in _names(mapping[model_type]) + _names(auto.MODEL_MAPPING_NAMES.get(model_type, [])):
                 found.setdefault(Target(group, model_type, name))
-    for model_type in sorted(CATALOGUE):  # covered hybrid types with a backbone only (no causal-LM head)
+    for model_type in sorted(sized_types()):  # covered hybrid types with a backbone only (no causal-LM head)
         for name in _names(auto.MODEL_MAPPING_NAMES.get(model_type, [])):
             found.setdefault(Target("backbone", model_type, name))
     for group, mapping in (("token", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
@@ -275,17 +275,18 @@ def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:
 
 def user_config_checks(target: Target, result: Result) -> None:
     """Set ``result.default_config`` / ``tester_config``: the gate (:func:`_gate_on`) on the config class's
-    defaults (with :data:`.shrink._PUBLISHED`'s values) and on :func:`tester_config` of them, both as the
+    defaults (with the catalogue's ``published`` values) and on :func:`tester_config` of them, both as the
     target's class gets them (a composite type's text config for a text model)."""
     import transformers
     from transformers import AutoConfig
 
-    from packfree_plugin.gate.shrink import _PUBLISHED, shrink_config, tiny_config_for
+    from packfree_plugin.catalogue import published_values
+    from packfree_plugin.gate.shrink import shrink_config, tiny_config_for
 
     cls = getattr(transformers, target.cls)
 
     def defaults():
-        config = AutoConfig.for_model(target.model_type, **_PUBLISHED.get(target.model_type, {}))
+        config = AutoConfig.for_model(target.model_type, **published_values(target.model_type))
         if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
         _as_encoder(target, config)
@@ -294,7 +295,7 @@ def user_config_checks(target: Target, result: Result) -> None:
     try:  # the gate's first copy of the defaults is the tiny config the target was proved on: the same proof
         same = result.status == "exact" and (tiny_config_for(target.model_type).to_json_string()
                                              == shrink_config(AutoConfig.for_model(
-                                                 target.model_type, **_PUBLISHED.get(target.model_type, {})))
+                                                 target.model_type, **published_values(target.model_type)))
                                              .to_json_string())
     except Exception:  # noqa: BLE001
         same = False
