@@ -223,7 +223,11 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def finish(folder: Path, check_script: Path = Path(__file__).with_name("gpu_check.py")) -> dict:
+CHECK_FILES = ("gpu_check.py", "gpu_setup.py")
+"""The check's files, copied beside ``run.sh``: gpu_check.py runs as a script and imports gpu_setup.py."""
+
+
+def finish(folder: Path) -> dict:
     """Write the manifest, ``run.sh``, the stand-in and the check into ``folder`` (its ``wheels/`` filled); raise
     ``SystemExit`` if a wheel is missing, a requirement is unmet or the bundle is over :data:`MAX_BYTES`."""
     wheels = wheels_of(folder)
@@ -235,7 +239,8 @@ def finish(folder: Path, check_script: Path = Path(__file__).with_name("gpu_chec
     problems = [f"missing wheel: {m}" for m in missing] + [f"wrong version: {w}" for w in wrong] + gaps
     (folder / "shims").mkdir(exist_ok=True)
     (folder / "shims" / "selective_scan_cuda.py").write_text(STANDIN)
-    shutil.copy(check_script, folder / "gpu_check.py")
+    for name in CHECK_FILES:
+        shutil.copy(Path(__file__).with_name(name), folder / name)
     run_sh = folder / "run.sh"
     run_sh.write_text(run_script([path.name for _, path in wheels.values()]))
     run_sh.chmod(0o755)

@@ -35,11 +35,9 @@ use the ``aot_eager`` backend): it is what the tests run, so the script works th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -49,8 +47,11 @@ from typing import Any, Callable
 
 import torch
 
-OPTIONAL_WHEELS = ("flash-attn", "mamba-ssm", "causal-conv1d")
-REQUIRED = ("transformers==5.24.0", "kernels>=0.10", "flash-linear-attention")
+if __package__:  # python -m benchmarks.gpu_check (nox -s gpu, the tests)
+    from .gpu_setup import bundle_rows, error_row, install_rows
+else:  # the offline bundle runs this file beside its copy of gpu_setup.py
+    from gpu_setup import bundle_rows, error_row, install_rows
+
 HEAD_DIMS = (128, 256, 512)
 WINDOWS: tuple[tuple[str, int | None, bool], ...] = (("none", None, True), ("causal W=512", 512, True),
                                                      ("bidirectional W=128", 128, False))
@@ -99,71 +100,6 @@ def skewed_lengths(total: int, samples: int = 16, seed: int = 0) -> list[int]:
     return lengths.tolist()
 
 
-def _error(row: dict, error: BaseException) -> dict:
-    return row | {"status": f"error: {error!r}"[:240]}
-
-
-# ----------------------------------------------------------------------------------------------- installs
-def _pip(*args: str, timeout: float) -> tuple[bool, str]:
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False, f"timed out after {timeout:.0f} s"
-    tail = (done.stderr.strip().splitlines() or [""])[-1]
-    return done.returncode == 0, tail[:160]
-
-
-def install_rows(timeout: float, *, dry_run: bool) -> list[dict]:
-    """pip-install transformers, kernels and fla (the installed torch pinned), then each optional CUDA package as a
-    prebuilt wheel only; every install within ``timeout`` seconds. A failed install is a skip, not an error: the
-    checks that need the package then say it is missing."""
-    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    plan = [("required: " + ", ".join(REQUIRED), (*REQUIRED, torch_pin))]
-    plan += [(name, (name, "--only-binary=:all:", "--no-deps")) for name in OPTIONAL_WHEELS]
-    rows = []
-    for name, args in plan:
-        row = {"check": f"install {name}"}
-        if dry_run:
-            rows.append(row | {"status": "skipped (dry run)"})
-            continue
-        start = time.perf_counter()
-        ok, message = _pip(*args, timeout=timeout)
-        rows.append(row | {"status": "ok" if ok else f"skipped ({message})", "ms": (time.perf_counter() - start) * 1e3})
-    return rows
-
-
-def bundle_rows(manifest: dict, site: Path | None, folder: Path) -> list[dict]:
-    """The offline bundle (benchmarks/gpu_bundle.py): each carried wheel intact (its sha256) and imported from
-    ``site`` at its pinned version, so it shadows the image's; each package that could not travel, skipped with why."""
-    rows = []
-    for entry in manifest["carried"]:
-        row = {"check": f"bundle {entry['name']}=={entry['version']}"}
-        try:
-            wheel = folder / "wheels" / entry["file"]
-            if hashlib.sha256(wheel.read_bytes()).hexdigest() != entry["sha256"]:
-                rows.append(row | {"status": f"error: {entry['file']} differs from the manifest's sha256"})
-                continue
-            distribution = importlib.metadata.distribution(entry["name"])
-            where = Path(distribution.locate_file("")).resolve()
-            if distribution.version != entry["version"] or (site is not None and where != site.resolve()):
-                rows.append(row | {"status": f"error: {entry['name']} {distribution.version} imports from {where}"})
-                continue
-            rows.append(row | {"status": "ok"})
-        except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append(_error(row, error))
-    for module in ("transformers", "fla.ops.gated_delta_rule", "fla.ops.kda", "mamba_ssm.ops.triton.ssd_combined"):
-        row = {"check": f"bundle import {module}"}
-        try:
-            imported = importlib.import_module(module)
-            inside = site is None or Path(imported.__file__).resolve().is_relative_to(site.resolve())
-            rows.append(row | {"status": "ok" if inside else f"error: imported from {imported.__file__}"})
-        except Exception as error:  # noqa: BLE001
-            rows.append(_error(row, error))
-    return rows + [{"check": f"not carried: {name}", "status": f"skipped ({reason})"}
-                   for name, reason in manifest["not_carried"].items()]
-
-
 def _missing(env: Env, name: str, fallback: str) -> str:
     return f"skipped ({env.unavailable.get(name, fallback)})"
 
@@ -200,7 +136,7 @@ def attention_rows(env: Env, rows: list[dict]) -> list[dict]:
                 rows.append(base | {"backend": "segments (portable)", **_compare(got, expected, env),
                                     "ms": portable * 1e3, "x_portable_time": 1.0})
             except Exception as error:  # noqa: BLE001 - report and go on
-                rows.append(_error(base | {"backend": "segments (portable)"}, error))
+                rows.append(error_row(base | {"backend": "segments (portable)"}, error))
                 continue
             for backend in VARLEN_BACKENDS:
                 row = base | {"backend": backend.name}
@@ -214,7 +150,7 @@ def attention_rows(env: Env, rows: list[dict]) -> list[dict]:
                     rows.append(row | _compare(got, expected, env) | {"ms": seconds * 1e3,
                                                                       "x_portable_time": seconds / portable})
                 except Exception as error:  # noqa: BLE001 - a backend may refuse a head_dim: say so
-                    rows.append(_error(row, error))
+                    rows.append(error_row(row, error))
     return rows
 
 
@@ -300,7 +236,7 @@ def op_rows(env: Env, rows: list[dict]) -> list[dict]:
             rows.append(row | {"status": "ok" if diff <= 3e-2 * max(scale, 1.0) else "MISMATCH", "max_diff": diff,
                                "ms": kernel_s * 1e3, "x_portable_time": kernel_s / torch_s})
         except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append(_error(row, error))
+            rows.append(error_row(row, error))
     return rows
 
 
@@ -375,7 +311,7 @@ def stock_rows(env: Env, rows: list[dict]) -> list[dict]:
                 alone = torch.cat([alone_model(input_ids=p[None].to(env.device), **extra).logits[0].float()
                                    for p in ids.split(lengths)])
         except Exception as error:  # noqa: BLE001
-            rows.append(_error({"check": f"stock {name}", "tokens": tokens}, error))
+            rows.append(error_row({"check": f"stock {name}", "tokens": tokens}, error))
             continue
         timings: dict[str, float] = {}
         for label, implementation in (("packfree", "packfree"), ("stock sdpa + collator", "sdpa"),
@@ -412,9 +348,9 @@ def stock_rows(env: Env, rows: list[dict]) -> list[dict]:
                     # the load-time gate refused a type it cannot run exactly: the promise kept, not a failure
                     rows.append(row | {"status": "refused by packfree's gate (not exact on packed rows yet)"})
                 else:
-                    rows.append(_error(row, error))
+                    rows.append(error_row(row, error))
             except Exception as error:  # noqa: BLE001 - report and go on
-                rows.append(_error(row, error))
+                rows.append(error_row(row, error))
     return rows
 
 
@@ -471,7 +407,7 @@ def compiled_rows(env: Env, rows: list[dict]) -> list[dict]:
                                "loss_diff": abs(compiled_loss - eager_loss), "graphs_per_forward": graphs["runs"],
                                "ms": compiled_s * 1e3, "x_eager_time": compiled_s / eager_s})
         except Exception as error:  # noqa: BLE001 - report and go on
-            rows.append(_error(row, error))
+            rows.append(error_row(row, error))
     return rows
 
 

@@ -134,7 +134,8 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     assert f"speedup {expected['total']:.2f}x (ceiling {expected['total_ceiling']:.2f}x, noise ±" in console
     assert f"packfree's ops  {expected['ops']:.2f}x (ceiling {expected['ops_ceiling']:.2f}x" in console
     assert f"padding removed {expected['padding']:.2f}x (ceiling {expected['padding_ceiling']:.2f}x" in console
-    assert console.count(f"{expected['padding']:.2f}x (ceiling") == 1  # each figure printed once
+    # each figure printed once (count the labels: two figures may round to the same number)
+    assert [console.count(label) for label in ("speedup ", "packfree's ops  ", "padding removed ")] == [1, 1, 1]
     assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -56,11 +57,25 @@ def test_finish_writes_everything_the_run_needs(bundle: Path, capsys):
     assert names == {"transformers", "huggingface-hub", *OTHERS}
     assert all(entry["reason"] and len(entry["sha256"]) == 64 for entry in manifest["carried"])
     assert set(manifest["not_carried"]) == {"flash-attn", "causal-conv1d", "kernels-hub", "selective_scan_cuda"}
-    assert (bundle / "gpu_check.py").read_text() == Path(gpu_bundle.__file__).with_name("gpu_check.py").read_text()
+    for name in ("gpu_check.py", "gpu_setup.py"):
+        assert (bundle / name).read_text() == Path(gpu_bundle.__file__).with_name(name).read_text()
     assert "def _not_carried" in (bundle / "shims" / "selective_scan_cuda.py").read_text()
     printed = capsys.readouterr().out
     assert f"{gpu_bundle.size_of(bundle) / 2**20:.1f} MiB of 60 MiB" in printed
     assert "run(command='bash gpu-bundle/run.sh \"$OUT\"', carry=[\"gpu-bundle\"], timeout_s=540)" in printed
+
+
+def test_the_bundled_check_runs_as_a_plain_script_beside_its_setup_rows(bundle: Path, tmp_path: Path):
+    """run.sh runs ``gpu_check.py`` as a file, outside the repository: it must import the bundle's gpu_setup.py."""
+    gpu_bundle.finish(bundle)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(bundle / "gpu_check.py"), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--bundle" in done.stdout
+    (bundle / "gpu_setup.py").unlink()  # without its copy, the script fails: nothing else on the path provides it
+    assert subprocess.run([sys.executable, str(bundle / "gpu_check.py"), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True).returncode != 0
 
 
 def test_run_sh_installs_every_wheel_offline_then_runs_the_check_into_the_named_folder(bundle: Path, tmp_path: Path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_setup
 
 
 @pytest.mark.slow
@@ -46,10 +46,10 @@ def test_a_package_that_does_not_install_is_skipped(monkeypatch):
 
     def fake_pip(*args, timeout):
         calls.append(args)
-        return (args[0] not in gpu_check.OPTIONAL_WHEELS, f"timed out after {timeout:.0f} s")
+        return (args[0] not in gpu_setup.OPTIONAL_WHEELS, f"timed out after {timeout:.0f} s")
 
-    monkeypatch.setattr(gpu_check, "_pip", fake_pip)
-    rows = gpu_check.install_rows(5.0, dry_run=False)
+    monkeypatch.setattr(gpu_setup, "_pip", fake_pip)
+    rows = gpu_setup.install_rows(5.0, dry_run=False)
     assert [row["status"] for row in rows] == ["ok"] + ["skipped (timed out after 5 s)"] * 3
     assert all("--only-binary=:all:" in args for args in calls[1:])
     assert any(arg.startswith("torch==") for arg in calls[0])
@@ -93,6 +93,6 @@ def test_bundle_rows_check_each_wheel_and_where_it_imports_from(tmp_path, case):
     sha = hashlib.sha256(b"wheel").hexdigest() if case != "sha256" else "0" * 64
     manifest = _manifest(tmp_path, sha, installed.version if case != "version" else "0.0.1")
     site = Path(installed.locate_file("")) if case != "site" else tmp_path
-    rows = gpu_check.bundle_rows(manifest, site, tmp_path)
+    rows = gpu_setup.bundle_rows(manifest, site, tmp_path)
     assert rows[0]["status"].startswith("ok" if case == "intact" else "error")
     assert rows[-1] == {"check": "not carried: flash-attn", "status": "skipped (CUDA build)"}
