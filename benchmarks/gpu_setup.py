@@ -1,5 +1,6 @@
 """The GPU check's set-up rows (benchmarks/gpu_check.py): the ``--install`` step's pip installs, or the offline
-bundle's wheels (``--bundle``, benchmarks/gpu_bundle.py) checked intact and imported from where ``run.sh`` put them.
+bundle's wheels (``--bundle``, benchmarks/gpu_bundle.py) checked intact and imported from where ``run.sh`` put them;
+and :func:`error_row`, the row every check writes for an exception it reports and goes past.
 
 A file of its own beside gpu_check.py: the bundle carries both, and runs gpu_check.py as a plain script.
 """

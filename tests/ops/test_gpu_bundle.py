@@ -69,13 +69,16 @@ def test_the_bundled_check_runs_as_a_plain_script_beside_its_setup_rows(bundle: 
     """run.sh runs ``gpu_check.py`` as a file, outside the repository: it must import the bundle's gpu_setup.py."""
     gpu_bundle.finish(bundle)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(bundle / "gpu_check.py"), "--help"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True)
+
+    def run_help() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(bundle / "gpu_check.py"), "--help"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    done = run_help()
     assert done.returncode == 0, done.stderr
     assert "--bundle" in done.stdout
     (bundle / "gpu_setup.py").unlink()  # without its copy, the script fails: nothing else on the path provides it
-    assert subprocess.run([sys.executable, str(bundle / "gpu_check.py"), "--help"], cwd=tmp_path, env=env,
-                          capture_output=True).returncode != 0
+    assert run_help().returncode != 0
 
 
 def test_run_sh_installs_every_wheel_offline_then_runs_the_check_into_the_named_folder(bundle: Path, tmp_path: Path):
