@@ -39,7 +39,10 @@ def tests(session: nox.Session) -> None:
 
 
 OLDEST_TRANSFORMERS = "5.20.0"  # packfree_plugin.compat.OLDEST_TRANSFORMERS
-NEWEST_TRANSFORMERS = "5.24.0"
+NEWEST_TRANSFORMERS = "5.25.0"  # packfree_plugin.compat.NEWEST_TESTED_TRANSFORMERS
+COMPAT_TRANSFORMERS = [OLDEST_TRANSFORMERS, "5.24.0", NEWEST_TRANSFORMERS]
+"""The transformers releases ``nox -s compat`` runs on every torch: the oldest declared, the one before the newest
+(the last release without a compatible ``kernels`` seam for the mixers), the newest tested."""
 COMPAT_TORCH = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 """The torch releases ``nox -s compat`` runs; the first and the last bound pyproject's ``torch`` range."""
 COMPAT_TESTS = ["tests/ops", "tests/attention", "tests/models", "tests/test_boundaries.py", "tests/gate/test_proof.py",
@@ -54,14 +57,13 @@ INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/e
 @nox.session
 @nox.parametrize("torch", COMPAT_TORCH, ids=COMPAT_TORCH)
 def compat(session: nox.Session, torch: str) -> None:
-    """The model, op and proof tests on one torch release with the oldest, then the newest transformers packfree
-    declares (one environment per torch, so each multi-GB build is installed once): ``nox -s compat`` runs every
-    torch, ``nox -s "compat(2.14.1)"`` one, ``nox -s compat -- tests`` the whole default suite."""
+    """The model, op and proof tests on one torch release with each of :data:`COMPAT_TRANSFORMERS` (one environment
+    per torch, so each multi-GB build is installed once): ``nox -s compat`` runs every torch, ``nox -s "compat(2.14.1)"`` one, ``nox -s compat -- tests`` the whole default suite."""
     pin = f"torch=={torch}"
     session.install(pin)
     session.install(".[test]")  # unpinned, as a user would: pip must keep the torch already there
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == {torch!r}, torch.__version__")
-    for transformers in (OLDEST_TRANSFORMERS, NEWEST_TRANSFORMERS):
+    for transformers in COMPAT_TRANSFORMERS:
         session.install(f"transformers=={transformers}", pin)
         session.run("python", "-m", "pytest", "-q", *(session.posargs or COMPAT_TESTS),
                     env={"HYPOTHESIS_PROFILE": "ci"})

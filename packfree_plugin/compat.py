@@ -1,32 +1,83 @@
-"""The versions packfree is tested with, and the check that refuses the others at load.
+"""The version contract, in one place: which transformers releases packfree admits, which it was tested on, and how it
+reaches the kernel functions of a release.
 
-packfree reaches into transformers' modeling modules by name (:data:`~.adapters.entry.ROUTED_FUNCTIONS`,
-the layer classes of :mod:`~.adapters.families`) and through its attention and mask interfaces, so it is
-only known to be exact on the transformers releases its test suite ran on: ``nox -s compat`` runs the model
-tests on the oldest and the newest of them. On any other release, preparing a model raises instead of
-guessing.
+packfree reaches into transformers' modeling modules by name (:data:`~.adapters.entry.ROUTED_FUNCTIONS`, the layer
+classes of :mod:`~.adapters.families`) and through its attention, mask and kernel interfaces. ``pyproject.toml``
+declares :data:`TRANSFORMERS_RANGE`; inside it, :data:`TESTED_TRANSFORMERS` are the release series the suite ran on
+(``nox -s compat`` runs the oldest, the default session the newest). A newer release inside the declared range loads:
+the load-time gate proves every model on a tiny copy (no class of it is in ``gate/verified.json``), and packfree says
+so once. A routed kernel function such a release removed refuses the model that needs it, naming the release and what
+to do. A release outside the range is refused at load.
 """
 
 from __future__ import annotations
 
+import logging
 from importlib.metadata import version
 
 from packaging.version import Version
 
-__all__ = ["TRANSFORMERS_RANGE", "check_transformers_version"]
+__all__ = ["NEWEST_TESTED_TRANSFORMERS", "OLDEST_TRANSFORMERS", "TESTED_TRANSFORMERS", "TRANSFORMERS_RANGE",
+           "check_transformers_version", "kernel_seam", "missing_function_message"]
 
 OLDEST_TRANSFORMERS = "5.20.0"
 """The oldest transformers release the suite passes on (``nox -s compat`` runs it)."""
+NEWEST_TESTED_TRANSFORMERS = "5.25.0"
+"""The newest transformers release the suite passed on (the default session installs the newest the index serves)."""
+TESTED_TRANSFORMERS = "5.20 - 5.25"
+"""The tested minor series, as the README and docs/loading.md state them."""
 NEXT_UNTESTED_MAJOR = "6"
 TRANSFORMERS_RANGE = f">={OLDEST_TRANSFORMERS},<{NEXT_UNTESTED_MAJOR}"
 """What ``pyproject.toml`` declares and :func:`check_transformers_version` enforces."""
 
+logger = logging.getLogger("packfree")
+_said_untested: set[str] = set()
+
+
+def _installed() -> str:
+    return version("transformers")
+
+
+def is_untested(installed: str | None = None) -> bool:
+    """Whether ``installed`` is newer than every tested release series (inside the declared range)."""
+    release = Version(installed or _installed()).release[:2]
+    return release > Version(NEWEST_TESTED_TRANSFORMERS).release[:2]
+
 
 def check_transformers_version(installed: str | None = None) -> None:
-    """Raise ``ValueError`` naming the supported range when the installed transformers is outside it."""
-    installed = installed or version("transformers")
+    """Raise ``ValueError`` naming the declared range when the installed transformers is outside it; on a release
+    newer than the tested ones, log once that every model is proved at load."""
+    installed = installed or _installed()
     if not Version(OLDEST_TRANSFORMERS) <= Version(installed) < Version(NEXT_UNTESTED_MAJOR):
         raise ValueError(
-            f"packfree supports transformers {TRANSFORMERS_RANGE} (tested on those releases); transformers "
+            f"packfree supports transformers {TRANSFORMERS_RANGE} (tested on {TESTED_TRANSFORMERS}); transformers "
             f"{installed} is installed. Install a supported release, e.g. pip install 'transformers{TRANSFORMERS_RANGE}'"
         )
+    if is_untested(installed) and installed not in _said_untested:
+        _said_untested.add(installed)
+        logger.warning(
+            "packfree was tested on transformers %s; %s is newer, so every model is proved exact on packed rows at "
+            "load (the load-time gate) before it is prepared", TESTED_TRANSFORMERS, installed)
+
+
+def missing_function_message(module_name: str, function: str, kernel: str) -> str:
+    """The refusal of a model whose modeling module lacks a kernel function packfree routes."""
+    installed = _installed()
+    advice = (f"install a tested release (pip install 'transformers>={OLDEST_TRANSFORMERS},<="
+              f"{NEWEST_TESTED_TRANSFORMERS.rsplit('.', 1)[0]}.*') or wait for a packfree release that supports "
+              f"{installed}")
+    tested = "newer than the releases packfree was tested on" if is_untested(installed) else "a tested release"
+    return (f"{module_name} has no function {function!r}, which packfree routes to its {kernel} op, on transformers "
+            f"{installed} ({tested}, {TESTED_TRANSFORMERS}): packfree cannot keep packed samples apart in this "
+            f"model there; {advice}")
+
+
+def kernel_seam(function: object) -> bool:
+    """Whether a modeling module's kernel function is one of transformers' kernel seams: declared with
+    ``use_kernel_func_from_hub_with_fallback`` / ``use_kernel_forward_from_hub`` while a ``kernels`` release that
+    transformers accepts is installed, it is a ``kernels`` layer (an ``nn.Module`` with a ``kernel_layer_name``) that
+    ``kernels.kernelize`` can give another forward. Otherwise (no compatible ``kernels``) it is a plain function, and
+    packfree wraps it in the module instead."""
+    from torch import nn
+
+    return isinstance(function, nn.Module) and isinstance(getattr(type(function), "kernel_layer_name", None), str)

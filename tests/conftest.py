@@ -20,6 +20,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+STACK = ("torch", "transformers", "kernels", "accelerate", "peft", "trl", "sentence-transformers", "deepspeed", "triton",
+         "flash-linear-attention", "mamba-ssm", "causal-conv1d", "flash-attn")
+"""The releases a failure may depend on, printed at the top of every run (those installed)."""
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The installed release of each package in :data:`STACK`, so that a failure names the release that caused it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in STACK:
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            continue
+    return "packfree's stack: " + ", ".join(found)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the tests marked ``model_types(...)`` whose types the installed transformers does not have (an
     older supported release): they do not apply there, so they are neither run nor counted as skipped."""

@@ -27,11 +27,13 @@ def test_register_is_idempotent_and_unregister_restores() -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
     import packfree_plugin.adapters.families  # noqa: F401  (fills the routed-function table, as apply() does)
-    from packfree_plugin.adapters.routes import install_routes
+    from packfree_plugin.adapters.routes import install_routes, is_routed
 
     packfree_plugin.register()
+    stock_state = dict(vars(modeling_lfm2.causal_conv1d_fn)) if isinstance(modeling_lfm2.causal_conv1d_fn,
+                                                                           torch.nn.Module) else None
     install_routes(modeling_lfm2)
-    assert hasattr(modeling_lfm2.causal_conv1d_fn, "_packfree_routed_original")
+    assert is_routed(modeling_lfm2, "causal_conv1d_fn")
     wrapped_post_init = PreTrainedModel.post_init
     packfree_plugin.register()
     assert PreTrainedModel.post_init is wrapped_post_init
@@ -44,7 +46,9 @@ def test_register_is_idempotent_and_unregister_restores() -> None:
         assert PreTrainedModel.post_init is not wrapped_post_init
         from transformers.models.lfm2 import modeling_lfm2
 
-        assert not hasattr(modeling_lfm2.causal_conv1d_fn, "_packfree_routed_original"), "routes not restored"
+        assert not is_routed(modeling_lfm2, "causal_conv1d_fn"), "routes not restored"
+        if stock_state is not None:  # transformers' kernel seam: the kernel-function module is as it was
+            assert vars(modeling_lfm2.causal_conv1d_fn) == stock_state
         with pytest.raises(ValueError, match="packfree"):
             AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="packfree")
     finally:

@@ -21,6 +21,7 @@ Rules that keep this from ever being silently wrong:
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -29,14 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backends, opaque
+from .. import backends, compat, opaque
 from ..boundaries import Boundaries
 from ..context import NativeCall, enter_native, exit_native, native_call
 from ..keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..opaque import boundary_function
 from .entry import ROUTED_FUNCTIONS
 
-__all__ = ["ROUTED_KERNELS", "install_routes", "may_reach_kernels", "native_forward", "uninstall_routes"]
+__all__ = ["OPTIONAL_KERNELS", "PackfreeRoutes", "ROUTED_KERNELS", "install_routes", "is_routed", "may_reach_kernels",
+           "native_forward", "uninstall_routes"]
 
 _ROUTED_ATTR = "_packfree_routed_original"
 
@@ -200,6 +202,12 @@ ROUTED_KERNELS: dict[str, Callable] = {
 # ------------------------------------------------------------------------------------ installation
 _PREFIX = "transformers.models."
 
+OPTIONAL_KERNELS = frozenset({"mamba_inner_fn", "mamba_split_conv1d_scan_combined", "causal_conv1d_update",
+                              "selective_state_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda"})
+"""Kernels a modeling module may lack without losing its packed path: the fused whole-layer kernels (the layer then
+runs its split path, every step routed) and the decoding kernels (a packed call never decodes). transformers 5.25
+dropped ``mamba_inner_fn`` from FalconMamba and Jamba."""
+
 
 @functools.cache
 def _kernel_packages() -> dict[str, tuple[str, str]]:
@@ -224,16 +232,21 @@ def may_reach_kernels(layer: nn.Module, probe: torch.Tensor) -> bool:
     return any(backends.load_kernel(*packages[kernel]) is not None for kernel in routed if kernel in packages)
 
 
+def _route(kernel: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``original(*args, **kwargs)`` outside a native call; inside one, the packfree route of ``kernel``."""
+    call = native_call()
+    if call is None:
+        return original(*args, **kwargs)
+    call.routed += 1
+    return ROUTED_KERNELS[kernel](call, *args, **kwargs)
+
+
 def _router(kernel: str, original: Callable) -> Callable:
-    route = ROUTED_KERNELS[kernel]
+    """A plain module function's router (a release without the kernel seam)."""
 
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any):
-        call = native_call()
-        if call is None:
-            return original(*args, **kwargs)
-        call.routed += 1
-        return route(call, *args, **kwargs)
+        return _route(kernel, original, *args, **kwargs)
 
     setattr(routed, _ROUTED_ATTR, original)
     return routed
@@ -241,25 +254,90 @@ def _router(kernel: str, original: Callable) -> Callable:
 
 _INSTALLED: set[str] = set()
 """Names of the modeling modules whose kernel functions are routed now."""
+_SEAMED: dict[nn.Module, dict[str, Any]] = {}
+"""Kernel-function modules packfree kernelized -> the instance attributes ``kernelize`` changed on them, as they were
+before (absent ones as :data:`_ABSENT`), so :func:`uninstall_routes` puts back exactly what was there."""
+_ABSENT = object()
 
 
 def install_routes(module: ModuleType) -> list[str]:
-    """Wrap every function :data:`ROUTED_FUNCTIONS` lists for ``module`` (idempotent); returns their kernel names.
-    Raises ``ValueError`` when a listed function is missing (a transformers release packfree does not know)."""
+    """Route every function :data:`ROUTED_FUNCTIONS` lists for ``module`` (idempotent); returns their kernel names.
+
+    Where transformers declares the function as a kernel function (``use_kernel_func_from_hub_with_fallback``, a
+    ``kernels`` layer: :func:`packfree_plugin.compat.kernel_seam`), ``kernels.kernelize`` gives it packfree's route
+    (:class:`PackfreeRoutes`); on a release without that seam, the module function is wrapped in a router. Raises
+    ``ValueError`` when a function that mixes tokens is missing (a transformers release packfree does not know)."""
     functions = ROUTED_FUNCTIONS.get(module.__name__.removeprefix(_PREFIX), {})
     installed = []
     for function, kernel in functions.items():
         current = getattr(module, function, None)
+        if current is None and kernel in OPTIONAL_KERNELS:
+            continue
         if current is None:
-            raise ValueError(
-                f"{module.__name__} has no function {function!r}, which packfree routes to its {kernel} op: this "
-                "transformers version is outside the range packfree was tested with"
-            )
-        if not hasattr(current, _ROUTED_ATTR):
+            raise ValueError(compat.missing_function_message(module.__name__, function, kernel))
+        if compat.kernel_seam(current):
+            _kernelize(module.__name__, function, current, kernel)
+        elif not hasattr(current, _ROUTED_ATTR):
             setattr(module, function, _router(kernel, current))
         installed.append(kernel)
     _INSTALLED.add(module.__name__)
     return installed
+
+
+def _kernelize(module_name: str, function: str, kernel_function: nn.Module, kernel: str) -> None:
+    """Give the kernel-function module ``kernel_function`` packfree's route through ``kernels``' own mapping and
+    ``kernelize``: the route runs the function's forward as before outside a packfree native call."""
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    if kernel_function in _SEAMED:
+        return
+    before = dict(kernel_function.__dict__)
+    mapping = {kernel_function.kernel_layer_name: {"cpu": PackfreeRoutes(module_name, function, kernel)}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(kernel_function, device="cpu", mode=Mode.TRAINING | Mode.TORCH_COMPILE, use_fallback=False)
+    after = kernel_function.__dict__
+    _SEAMED[kernel_function] = {name: before.get(name, _ABSENT) for name in {*before, *after}
+                                if before.get(name, _ABSENT) is not after.get(name, _ABSENT)}
+
+
+class PackfreeRoutes:
+    """A ``kernels`` repository (``load()`` -> layer class) holding packfree's route of one transformers kernel
+    function: a layer with the function's signature whose forward, inside a native call, runs the route of
+    :data:`ROUTED_KERNELS`, and outside one the function's own forward (so the model's per-layer kernels, hub
+    kernels a user chose included, run as before)."""
+
+    def __init__(self, module_name: str, function: str, kernel: str) -> None:
+        self.module_name, self.function, self.kernel = module_name, function, kernel
+
+    def load(self) -> type[nn.Module]:
+        kernel, function_type = self.kernel, type(getattr(sys.modules[self.module_name], self.function))
+
+        class Routed(nn.Module):
+            can_torch_compile = True
+            has_backward = True
+
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return _route(kernel, functools.partial(function_type.forward, self), *args, **kwargs)
+
+        Routed.forward.__signature__ = inspect.signature(function_type.forward)
+        Routed.__name__ = Routed.__qualname__ = f"Packfree_{kernel}"
+        return Routed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PackfreeRoutes) and (self.module_name, self.function) == (other.module_name,
+                                                                                            other.function)
+
+    def __hash__(self) -> int:
+        return hash((self.module_name, self.function))
+
+    def __str__(self) -> str:
+        return f"packfree's route of {self.module_name}.{self.function} ({self.kernel})"
+
+
+def is_routed(module: ModuleType, function: str) -> bool:
+    """Whether ``module.function`` runs packfree's route now (wrapped in a router, or kernelized by packfree)."""
+    current = getattr(module, function, None)
+    return hasattr(current, _ROUTED_ATTR) or (isinstance(current, nn.Module) and current in _SEAMED)
 
 
 def uninstall_routes() -> None:
@@ -272,6 +350,13 @@ def uninstall_routes() -> None:
             current = getattr(module, function, None)
             if current is not None and hasattr(current, _ROUTED_ATTR):
                 setattr(module, function, getattr(current, _ROUTED_ATTR))
+    for kernel_function, changed in _SEAMED.items():
+        for name, value in changed.items():
+            if value is _ABSENT:
+                kernel_function.__dict__.pop(name, None)
+            else:
+                kernel_function.__dict__[name] = value
+    _SEAMED.clear()
     _INSTALLED.clear()
 
 

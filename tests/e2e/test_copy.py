@@ -35,25 +35,61 @@ def _stock_pickles(model_type: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2"])
-def test_saved_and_loaded_hybrid_still_packs_exactly(model_type: str, tmp_path) -> None:
-    """``torch.save(model)`` / ``pickle`` of a prepared hybrid loads back into a model that still keeps packed samples
-    apart: each packed sample equals the stock twin on that sample alone. Where stock itself cannot be pickled
+def _pickled(model, tmp_path):
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_saved(model, tmp_path):
+    torch.save(model, tmp_path / "model.pt")
+    return torch.load(tmp_path / "model.pt", weights_only=False)
+
+
+def _deep_copied(model, tmp_path):
+    return copy.deepcopy(model)
+
+
+def _saved_pretrained(model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(tmp_path / "saved")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="packfree",
+                                                dtype=torch.float64, experts_implementation="eager").eval()
+
+
+ROUND_TRIPS = {"pickle": _pickled, "torch.save": _torch_saved, "deepcopy": _deep_copied,
+               "save_pretrained": _saved_pretrained}
+
+
+@pytest.mark.parametrize("trip", list(ROUND_TRIPS))
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "lfm2", "jamba", "llama"])
+def test_a_round_tripped_model_still_packs_exactly(model_type: str, trip: str, tmp_path) -> None:
+    """A prepared model (hybrids whose mixers packfree routes through transformers' kernel functions, and an attention
+    model) loads back from ``pickle``, ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``save_pretrained`` +
+    ``from_pretrained(attn_implementation="packfree")`` into a model whose packed samples, in logits and in the
+    gradient of every parameter, equal the stock twin on each sample alone. Where stock itself cannot be pickled
     (transformers < 5.24), packfree's model fails the same way and adds no failure of its own."""
     model, stock = fresh_pair(model_type)
-    if not _stock_pickles(model_type):
+    if trip in ("pickle", "torch.save") and not _stock_pickles(model_type):
         with pytest.raises((AttributeError, pickle.PicklingError)):
             pickle.dumps(model)
         return
-    torch.save(model, tmp_path / "model.pt")
-    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    unpickled = pickle.loads(pickle.dumps(model))
+    twin = ROUND_TRIPS[trip](model, tmp_path)
+    assert twin.config._attn_implementation == "packfree"
     lengths = [6, 9, 4]
     samples = samples_of(lengths)
     batch = packed_row([torch.tensor(s) for s in samples])
-    with torch.no_grad():
-        for twin in (loaded, unpickled):
-            packed = twin(**batch).logits[0]
-            for piece, sample in zip(packed.split(lengths), samples):
-                alone = stock(input_ids=torch.tensor([sample]), use_cache=False).logits[0]
-                assert_close(piece, alone, atol=1e-6, rtol=0, what=f"{model_type} after save/load")
+    packed = twin(**batch).logits[0]
+    packed.square().sum().backward()
+    for piece, sample in zip(packed.split(lengths), samples):
+        alone = stock(input_ids=torch.tensor([sample]), use_cache=False).logits[0]
+        alone.square().sum().backward()
+        assert_close(piece, alone, atol=1e-6, rtol=0, what=f"{model_type} after {trip}")
+    # gradients to 1e-5 of their largest entry: stock's Mamba mixers run their scans in float32 inside a float64 model
+    stock_grads = dict(stock.named_parameters())
+    for name, parameter in twin.named_parameters():
+        expected = stock_grads[name].grad
+        if expected is None:
+            assert parameter.grad is None or not parameter.grad.any(), name
+            continue
+        assert_close(parameter.grad, expected, atol=1e-5 * max(1.0, expected.abs().max().item()), rtol=0,
+                     what=f"{model_type} after {trip}: gradient of {name}")
