@@ -18,7 +18,7 @@ from importlib.metadata import version
 from packaging.version import Version
 
 __all__ = ["NEWEST_TESTED_TRANSFORMERS", "OLDEST_TRANSFORMERS", "TESTED_TRANSFORMERS", "TRANSFORMERS_RANGE",
-           "check_transformers_version", "kernel_seam", "missing_function_message"]
+           "check_transformers_version", "is_untested", "kernel_seam", "unroutable_message"]
 
 OLDEST_TRANSFORMERS = "5.20.0"
 """The oldest transformers release the suite passes on (``nox -s compat`` runs it)."""
@@ -60,24 +60,25 @@ def check_transformers_version(installed: str | None = None) -> None:
             "load (the load-time gate) before it is prepared", TESTED_TRANSFORMERS, installed)
 
 
-def missing_function_message(module_name: str, function: str, kernel: str) -> str:
-    """The refusal of a model whose modeling module lacks a kernel function packfree routes."""
+def unroutable_message(module_name: str, function: str, kernel: str, why: str) -> str:
+    """The refusal of a model whose modeling module's kernel function packfree cannot route (``why``: it is missing,
+    or transformers' kernel seam refused packfree's route)."""
     installed = _installed()
-    advice = (f"install a tested release (pip install 'transformers>={OLDEST_TRANSFORMERS},<="
-              f"{NEWEST_TESTED_TRANSFORMERS.rsplit('.', 1)[0]}.*') or wait for a packfree release that supports "
-              f"{installed}")
+    newest = Version(NEWEST_TESTED_TRANSFORMERS)
+    advice = (f"install a tested release (pip install 'transformers>={OLDEST_TRANSFORMERS},<{newest.major}."
+              f"{newest.minor + 1}') or wait for a packfree release that supports transformers {installed}")
     tested = "newer than the releases packfree was tested on" if is_untested(installed) else "a tested release"
-    return (f"{module_name} has no function {function!r}, which packfree routes to its {kernel} op, on transformers "
-            f"{installed} ({tested}, {TESTED_TRANSFORMERS}): packfree cannot keep packed samples apart in this "
-            f"model there; {advice}")
+    return (f"{module_name}.{function}, which packfree routes to its {kernel} op, {why} on transformers {installed} "
+            f"({tested}, {TESTED_TRANSFORMERS}): packfree cannot keep packed samples apart in this model there; "
+            f"{advice}")
 
 
 def kernel_seam(function: object) -> bool:
     """Whether a modeling module's kernel function is one of transformers' kernel seams: declared with
     ``use_kernel_func_from_hub_with_fallback`` / ``use_kernel_forward_from_hub`` while a ``kernels`` release that
-    transformers accepts is installed, it is a ``kernels`` layer (an ``nn.Module`` with a ``kernel_layer_name``) that
-    ``kernels.kernelize`` can give another forward. Otherwise (no compatible ``kernels``) it is a plain function, and
-    packfree wraps it in the module instead."""
+    transformers accepts is installed, it is a ``kernels`` layer (an ``nn.Module``) that ``kernels.kernelize`` can give
+    another forward. Otherwise (no compatible ``kernels``) it is a plain function, and packfree wraps it in the module
+    instead."""
     from torch import nn
 
-    return isinstance(function, nn.Module) and isinstance(getattr(type(function), "kernel_layer_name", None), str)
+    return isinstance(function, nn.Module)

@@ -27,9 +27,10 @@ def test_register_is_idempotent_and_unregister_restores() -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
     import packfree_plugin.adapters.families  # noqa: F401  (fills the routed-function table, as apply() does)
-    from packfree_plugin.adapters.routes import install_routes, is_routed
+    from packfree_plugin.adapters.routes import install_routes, is_routed, uninstall_routes
 
     packfree_plugin.register()
+    uninstall_routes()  # an earlier test's model may have routed the module: start from stock's functions
     stock_state = dict(vars(modeling_lfm2.causal_conv1d_fn)) if isinstance(modeling_lfm2.causal_conv1d_fn,
                                                                            torch.nn.Module) else None
     install_routes(modeling_lfm2)

@@ -21,6 +21,7 @@ from torch import nn
 
 from .entry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter, register_refusal
 from .forwards import lightning_forward, rg_lru_forward
+from .instance import own_parameters
 from .routes import native_forward
 
 NOT_MIXERS: frozenset[str] = frozenset({
@@ -186,15 +187,20 @@ INKLING2_ATTENTION = register_adapter(MixerAdapter(
 
 
 # ------------------------------------------------------------------ attention with code of its own, run per sample
-def _alibi_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """ALiBi models (Bloom, Falcon with ``alibi``): the ``alibi`` bias ``[n * heads, 1, L]`` of a right-padded group, from
-    the modeling module's own ``build_alibi_tensor``. The bias grows with the key's position; per sample it restarts
-    with the sample (softmax ignores the per-query constant, so this equals each sample alone)."""
-    if call.get("alibi") is None:
-        return {}
+def _group_alibi(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The ALiBi bias ``[n * heads, 1, L]`` of a right-padded group ``hidden [n, L, C]``, from the modeling module's
+    own ``build_alibi_tensor``: it grows with the key's position and restarts with every sample (softmax ignores the
+    per-query constant, so this equals each sample alone)."""
     build = sys.modules[type(layer).__module__].build_alibi_tensor
     ones = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-    return {"alibi": build(ones, layer.num_heads, dtype=hidden.dtype)}
+    return build(ones, layer.num_heads, dtype=hidden.dtype)
+
+
+def _alibi_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """ALiBi models given an ``alibi`` argument (Bloom): the group's ``alibi [n * heads, 1, L]``."""
+    if call.get("alibi") is None:
+        return {}
+    return {"alibi": _group_alibi(layer, hidden)}
 
 
 def _masked_where_true(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -211,14 +217,19 @@ def _xlm_mask(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> d
 
 
 def _falcon_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Falcon with ALiBi under sdpa: the bias divided by sqrt(head_dim) and folded into the float mask
-    ``[n, heads, L, L]`` (what its model builds for a whole batch), per right-padded group."""
-    alibi = _alibi_per_sample(layer, hidden, call)
-    if not alibi:
+    """Falcon with ALiBi, per right-padded group ``hidden [n, L, C]``: the float ``attention_mask [n, heads, L, L]`` its
+    model builds for a whole batch (the bias divided by sqrt(head_dim), the dtype's minimum on hidden keys), which is
+    where its sdpa path reads the bias. An attention that takes an ``alibi`` argument (transformers <= 5.24) also
+    gets the group's ``alibi [n * heads, 1, L]``, and is ALiBi when given one; a later one takes no ``alibi`` (its
+    model folds the bias into the mask alone) and is ALiBi when ``config.alibi`` says so."""
+    takes_alibi = "alibi" in own_parameters(layer).names
+    if not (call.get("alibi") is not None if takes_alibi else getattr(layer.config, "alibi", False)):
         return {}
-    bias = alibi["alibi"].view(hidden.shape[0], layer.num_heads, 1, hidden.shape[1]) / math.sqrt(layer.head_dim)
+    alibi = _group_alibi(layer, hidden)
+    bias = alibi.view(hidden.shape[0], layer.num_heads, 1, hidden.shape[1]) / math.sqrt(layer.head_dim)
     hidden_keys = ~dense_causal_mask(hidden.shape[0], hidden.shape[1], hidden.device)
-    return {**alibi, "attention_mask": bias.masked_fill(hidden_keys, torch.finfo(hidden.dtype).min)}
+    mask = bias.masked_fill(hidden_keys, torch.finfo(hidden.dtype).min)
+    return {"alibi": alibi, "attention_mask": mask} if takes_alibi else {"attention_mask": mask}
 
 
 ALIBI_ATTENTION = register_adapter(MixerAdapter(

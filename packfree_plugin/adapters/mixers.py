@@ -251,7 +251,10 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
             continue
         install(module, _mixer_forward)
         if adapter.native is not None:
-            routed_kernels_of(module)
+            try:
+                routed_kernels_of(module)
+            except ValueError as error:
+                raise ValueError(f"{type(model).__name__} ({path}): {error}") from error
         wrapped.append((path, adapter.tier))
     return wrapped
 

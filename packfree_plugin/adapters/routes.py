@@ -274,7 +274,7 @@ def install_routes(module: ModuleType) -> list[str]:
         if current is None and kernel in OPTIONAL_KERNELS:
             continue
         if current is None:
-            raise ValueError(compat.missing_function_message(module.__name__, function, kernel))
+            raise ValueError(compat.unroutable_message(module.__name__, function, kernel, "is missing"))
         if compat.kernel_seam(current):
             _kernelize(module.__name__, function, current, kernel)
         elif not hasattr(current, _ROUTED_ATTR):
@@ -292,9 +292,13 @@ def _kernelize(module_name: str, function: str, kernel_function: nn.Module, kern
     if kernel_function in _SEAMED:
         return
     before = dict(kernel_function.__dict__)
-    mapping = {kernel_function.kernel_layer_name: {"cpu": PackfreeRoutes(module_name, function, kernel)}}
-    with use_kernel_mapping(mapping, inherit_mapping=False):
-        kernelize(kernel_function, device="cpu", mode=Mode.TRAINING | Mode.TORCH_COMPILE, use_fallback=False)
+    mapping = {kernel: {"cpu": PackfreeRoutes(module_name, function, kernel)}}
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernelize(kernel_function, device="cpu", mode=Mode.TRAINING | Mode.TORCH_COMPILE, use_fallback=False)
+    except (ValueError, TypeError) as error:  # the seam names another kernel, or its signature changed
+        why = f"is a kernels layer that refused packfree's route ({error})"
+        raise ValueError(compat.unroutable_message(module_name, function, kernel, why)) from error
     after = kernel_function.__dict__
     _SEAMED[kernel_function] = {name: before.get(name, _ABSENT) for name in {*before, *after}
                                 if before.get(name, _ABSENT) is not after.get(name, _ABSENT)}

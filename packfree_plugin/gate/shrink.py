@@ -10,7 +10,9 @@ attention chunks, the chunks / blocks of chunked scans and a sparse indexer's to
 test samples still cross them. Stack sections (``n_input_layers`` / ``n_recurrent_layers`` / ``n_output_layers``)
 keep every layer kind each and still add up; a layer's override dict (``per_layer_config``) shrinks with the global
 values; a width equal to a hidden size of the config (an adapter's input) becomes the tiny hidden size. Sub-configs
-(``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way.
+(``text_config``, ``vision_config``, ``encoder``/``decoder``) are shrunk the same way. A config cut in depth after
+creation (``config.num_hidden_layers = 2``, its ``layer_types`` still at the old depth) has its per-layer lists cut
+to the layers its model builds first (:func:`_trim_to_depth`), as stock reads them, so that its copies validate.
 
 The tiny copy keeps the ratios the config's validation and the model's construction need: key/value heads at
 most the tiny query heads and dividing them, a width that is 2-4 times the hidden size (Zamba's attention input)
@@ -324,7 +326,57 @@ def _serialized(config) -> dict[str, Any]:
     for name in ("_name_or_path", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
                  "quantization_config"):
         values.pop(name, None)
+    _trim_to_depth(values)
     return values
+
+
+def _is_index_list(value: Any) -> bool:
+    """Whether ``value`` is a list of layer indices (``mlp_only_layers``): non-negative ints, strictly increasing."""
+    return (isinstance(value, (list, tuple)) and bool(value)
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+            and all(a < b for a, b in zip(value, value[1:])))
+
+
+def _old_depth(values: dict[str, Any], depth: int) -> int | None:
+    """The depth a config dict's per-layer lists were written for, when they are longer than the ``depth`` its model
+    builds (a config cut in depth after creation), else None: the length of ``layer_types``, else the most common
+    length (the largest of a tie) of the lists named for layers."""
+    lengths = [len(value) for name, value in values.items()
+               if "layer" in name and isinstance(value, (list, tuple)) and len(value) > depth
+               and not _is_index_list(value)]
+    layer_types = values.get("layer_types")
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) in lengths:
+        return len(layer_types)
+    counts = Counter(lengths)
+    return max(counts, key=lambda length: (counts[length], length)) if counts else None
+
+
+def _trim_to_depth(values: dict[str, Any]) -> None:
+    """Cut the per-layer settings of a config dict (and of its sub-config dicts) in place to the depth its model builds.
+
+    A config cut in depth after creation (``config.num_hidden_layers = 2`` on a 32-layer config) keeps its per-layer
+    lists at the old depth: stock builds its layers from their first entries, but a config rebuilt from those values
+    fails validation (``num_hidden_layers`` must equal the number of ``layer_types``). Every list of the old depth
+    (:func:`_old_depth`) keeps its first entries; index lists and layer-keyed dicts named for layers lose the layers
+    past the depth."""
+    for value in values.values():
+        if _is_sub_config(value):
+            _trim_to_depth(value)
+    depth = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)
+                  and not isinstance(values[k], bool) and values[k] > 0), None)
+    old = _old_depth(values, depth) if depth is not None else None
+    if old is None:
+        return
+    for name, value in list(values.items()):
+        if name == "architectures" or _SPECIAL_IDS.search(name):
+            continue
+        if isinstance(value, (list, tuple)) and len(value) == old:
+            values[name] = type(value)(value[:depth])
+        elif "layer" in name and _is_index_list(value) and value[-1] < old:
+            values[name] = type(value)(i for i in value if i < depth)
+        elif ("layer" in name and isinstance(value, dict) and value
+              and all(str(k).isdigit() and int(k) < old for k in value)):
+            values[name] = {k: v for k, v in value.items() if int(k) < depth}
 
 
 def shrink_config(config, *, repeats: int = 1):

@@ -82,9 +82,23 @@ def test_a_missing_routed_function_is_refused(monkeypatch) -> None:
     from packfree_plugin.adapters.routes import install_routes
 
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")
-    with pytest.raises(ValueError, match=rf"no function 'causal_conv1d_fn'.* transformers {transformers.__version__}"
-                                         r".*install a tested release \(pip install 'transformers>=5\.20\.0"):
+    with pytest.raises(ValueError, match=rf"causal_conv1d_fn, .* is missing on transformers {transformers.__version__}"
+                                         r".*install a tested release \(pip install 'transformers>=5\.20\.0,<5\.26'"):
         install_routes(modeling_lfm2)
+
+
+def test_a_model_whose_routed_function_vanished_is_refused_at_load_by_name(monkeypatch) -> None:
+    """The refusal names the model, the modeling module's function, the release and what to do."""
+    from transformers.models.lfm2 import modeling_lfm2
+
+    from packfree_plugin.adapters import routes
+    from packfree_plugin.tiny import load_model
+
+    routes.uninstall_routes()
+    monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")
+    with pytest.raises(ValueError, match=r"Lfm2(ForCausalLM|Model) \((model\.)?layers\.\d\.conv\): .*causal_conv1d_fn.* is missing"
+                                         r".*wait for a packfree release"):
+        load_model("lfm2", "packfree")
 
 
 def test_a_missing_fused_or_decoding_kernel_is_not_refused(monkeypatch) -> None:

@@ -46,6 +46,7 @@ class LeakyRemoteLlama(LlamaForCausalLM):
             layer.mlp.forward = lambda x, mlp=layer.mlp: modeling_llama.LlamaMLP.forward(mlp, x) + 0.1 * x.cumsum(1)
 
 
+@pytest.mark.usefixtures("newest_record")
 def test_a_verified_class_loads_without_a_proof(proofs) -> None:
     model = AutoModelForCausalLM.from_config(tiny_config_for("llama"), attn_implementation="packfree")
     assert is_verified(model) and proofs == []

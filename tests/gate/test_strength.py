@@ -24,6 +24,7 @@ def _fresh_verdicts(monkeypatch):
     monkeypatch.delenv(TRUST_ENV, raising=False)
 
 
+@pytest.mark.usefixtures("newest_record")
 def test_an_unverified_transformers_class_is_proved_on_the_users_own_config(monkeypatch) -> None:
     """Llama is verified with ``mlp_bias=False``; with ``mlp_bias=True`` it is not, and a leak planted in the MLP
     fires only with that bias. The gate must prove the class (not wave it through) and prove it on a copy of the

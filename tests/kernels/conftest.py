@@ -78,6 +78,15 @@ else:
 
     sys.modules["selective_scan_cuda"] = types.SimpleNamespace(fwd=_no_compiled_scan, bwd=_no_compiled_scan)
 
+    # transformers 5.25 hands a kernel package only inputs on the devices it lists for it; on CPU tensors stock's
+    # layers take their torch path. Here, where the packages' kernels run interpreted on CPU tensors, stock is given
+    # them as on a GPU (as transformers < 5.25 did everywhere), so the samples alone run the same real kernels. The
+    # table is read when a modeling module decorates its kernel functions: before any is imported.
+    from transformers.integrations import hub_kernels
+
+    for _package, _devices in getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).items():
+        hub_kernels._PACKAGE_SUPPORTED_DEVICES[_package] = (*_devices, "cpu")
+
     class _DeviceOrNothing(torch.cuda.device):
         """``torch.cuda.device`` that does nothing for ``None`` (a CPU tensor's ``device.index``)."""
 
