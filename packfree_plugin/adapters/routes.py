@@ -3,8 +3,10 @@
 transformers builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed set of
 module-level kernel functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
 ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). Each family's entry
-(:mod:`.families`, ``routes``) names them per modeling module, and :func:`install_routes` wraps each in a
-router. Outside a packfree native call the router is transparent (it calls the original). Inside one
+(:mod:`.families`, ``routes``) names them per modeling module, and :func:`install_routes` gives each packfree's
+route: through ``kernels.kernelize`` and a kernel mapping where transformers declares the function as a kernel seam
+(a ``kernels`` layer, :func:`packfree_plugin.compat.kernel_seam`), else by wrapping the module function in a
+router. Outside a packfree native call the route is transparent (it calls the original). Inside one
 (:func:`native_forward`, which pushes a :class:`~packfree_plugin.context.NativeCall`), it calls the
 matching route of :data:`ROUTED_KERNELS`, which runs packfree's boundary-aware op on that call's
 boundaries; the op itself picks the CUDA kernel (causal-conv1d, mamba-ssm, fla) when present.
