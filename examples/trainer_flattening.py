@@ -63,7 +63,7 @@ def main() -> None:
 
     arguments = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=4, max_steps=args.steps,
                                   learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
-                                  disable_tqdm=True, remove_unused_columns=False)
+                                  disable_tqdm=True)
     Trainer(model=model, args=arguments, train_dataset=samples, data_collator=collator,
             callbacks=[PrintLoss()]).train()
 
