@@ -175,6 +175,10 @@ def _shrink_values(values: dict[str, Any], hidden_sizes: set[int], repeats: int 
             values[heads] = values["hidden_size"] * values[expand] // values[dim]
     if all(isinstance(values.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
         values["mamba_d_ssm"] = values["mamba_n_heads"] * values["mamba_d_head"]  # Falcon-H1's SSM width
+    if all(isinstance(values.get(k), int) for k in ("index_num_heads", "num_attention_heads", "num_key_value_heads")):
+        # Kolibri-1.1's indexer scores keys with the leading query heads of key head 0: at most those
+        per_key_head = max(1, values["num_attention_heads"] // values["num_key_value_heads"])
+        values["index_num_heads"] = min(values["index_num_heads"], per_key_head)
     for name in _WINDOW_KEYS:  # per-layer windows (e.g. longformer's attention_window)
         value = values.get(name)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
