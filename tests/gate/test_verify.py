@@ -38,9 +38,11 @@ def test_verify_says_how_the_model_numbers_positions(capsys) -> None:
     assert mine.numbering.startswith("not by ids")
 
 
-def test_verify_runs_an_encoder_decoder_on_both_sides() -> None:
+def test_verify_runs_an_encoder_decoder_on_both_sides(record_property) -> None:
     """T5 makes no decoder inputs of its own: the audit gives its decoder the packed samples too (as the load-time
-    proof does; before, ``packfree verify t5`` crashed before auditing). Stock sdpa leaks them, packfree does not."""
+    proof does; before, ``packfree verify t5`` crashed before auditing). packfree does not leak them; whether stock
+    sdpa does is a fact of the release (it leaked on 5.20 - 5.25), recorded, not asserted."""
     mine, stock = verify("t5")
     assert mine.ok and mine.alone.exact and not mine.leaks
-    assert stock is not None and stock.leaks
+    assert stock is not None, "verify ran no stock reference"
+    record_property("stock sdpa, T5 packed: leaks", stock.leaks)
