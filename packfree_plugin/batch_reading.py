@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy
 import torch
 
 from .boundaries import Boundaries, id_starts, shape_disagreement
@@ -161,9 +160,10 @@ def _fits_rows(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> boo
 
 def _ids_start_samples(position_ids: torch.Tensor) -> bool:
     """Whether ids of any shape start a sample inside one of their rows (the last axis) by the one rule."""
-    host = position_ids.detach().to("cpu", torch.float64).reshape(-1, position_ids.shape[-1]).numpy() \
-        if position_ids.ndim else numpy.zeros((1, 1))
-    return bool(id_starts(host, planes=False)[:, 1:].any())
+    if position_ids.numel() == 0:
+        return False
+    rows = position_ids.detach().to("cpu", torch.float64).reshape(-1, position_ids.shape[-1] if position_ids.ndim else 1)
+    return bool(id_starts(rows.numpy(), planes=False)[:, 1:].any())
 
 
 def check_labels(arguments: dict[str, Any], boundaries: Boundaries) -> None:

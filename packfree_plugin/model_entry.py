@@ -294,7 +294,8 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     inherited = outer is not None and _inherits(outer, tokens_of(arguments), arguments)
     boundaries = outer if inherited else paired_decoder(outer, arguments, kwargs)
     if boundaries is None:
-        boundaries = boundaries_for_call(arguments, causal_labels=not seq2seq and not module.__dict__.get(_TARGETS_CHECKED_BY_STEP),
+        checks_targets = not seq2seq and not module.__dict__.get(_TARGETS_CHECKED_BY_STEP)
+        boundaries = boundaries_for_call(arguments, causal_labels=checks_targets,
                                          reads_position_ids="position_ids" in parameters.names)
         if boundaries is not None and outer is None:  # the outermost call's ids are the caller's
             boundaries.callers_position_ids = arguments.get("position_ids")
