@@ -11,11 +11,14 @@ from whichever the batch carries, in this order:
 1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``), as sent by
    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``;
 2. ``seq_idx`` ``[B, T]``: the sample index of every token;
-3. ``position_ids`` ``[B, T]``: **a sample starts at the first token of a row and at every token whose
-   position id is not exactly one more than the previous token's** (TRL's padding-free collator sends
-   only these). 3-D multimodal (MRoPE) ids ``[R, B, T]``: with ``R == 4`` the first plane holds text
-   positions and the rule above applies to it; otherwise a sample starts where all ``R`` components are
-   0 (vision tokens repeat and jump in some components, so the +1 rule would split inside an image);
+3. ``position_ids`` ``[B, T]``: **a sample starts at a row's first kept token and at every kept token whose
+   id continues neither the previous kept token's id by 1 nor its position** (``id - previous id`` is neither
+   1 nor the distance between the two tokens; tokens are kept where ``attention_mask`` is 1, all without one),
+   so ids may run on across padding as ``arange`` or ``(cumsum(mask) - 1) * mask`` number them, and ids that
+   restart or jump start a sample (:func:`id_starts`; TRL's padding-free collator sends only these ids).
+   3-D multimodal (MRoPE) ids ``[R, B, T]``: with ``R == 4`` the first plane holds text positions and the
+   rule above applies to it; otherwise a sample starts where all ``R`` components are 0 (vision tokens repeat
+   and jump in some components, so the +1 rule would split inside an image);
 4. a 2-D ``attention_mask`` ``[B, T]`` (ordinary padded batch): each row is one sample, its zeros are
    padding. A row whose ones are not contiguous is refused: packfree would have to guess its samples.
 
@@ -35,14 +38,14 @@ from typing import Any, TypeVar
 import numpy
 import torch
 
-__all__ = ["Boundaries", "Seq2SeqBoundaries"]
+__all__ = ["Boundaries", "Seq2SeqBoundaries", "id_starts"]
 
 _Form = TypeVar("_Form")
 
 
 def _require_integer(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}")
+        raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}; pass {name}.long()")
 
 
 def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
@@ -83,23 +86,31 @@ class Boundaries:
         offsets = tuple(map(int, offsets))
         total = batch_size * seq_len
         if len(offsets) < 2 or offsets[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 entries, got {list(offsets[:8])}")
+            raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 entries, got {list(offsets[:8])}; "
+                             "pass the running sum of the sample lengths with a leading 0, e.g. [0, 5, 12]")
         if offsets[-1] != total:
             raise ValueError(
-                f"cu_seqlens must end at the number of tokens {total} (B={batch_size} x T={seq_len}), "
-                f"got {offsets[-1]}: sample lengths do not sum to the row"
+                f"cu_seqlens must end at the number of tokens {total} (B={batch_size} x T={seq_len}), got "
+                f"{offsets[-1]} in {_shown(offsets)}: sample lengths do not sum to the rows. cu_seqlens count over "
+                f"the flattened B * T tokens, padding included{_layout_hint(offsets, batch_size, seq_len)}"
             )
         lengths = tuple(b - a for a, b in zip(offsets, offsets[1:]))
         if min(lengths) <= 0:
             i = next(i for i, length in enumerate(lengths, 1) if length <= 0)
             if offsets[i] < offsets[i - 1]:
-                raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets[i - 1]} then {offsets[i]} at {i}")
-            raise ValueError(f"cu_seqlens has a zero-length segment at index {i - 1} (offset {offsets[i]})")
+                raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets[i - 1]} then {offsets[i]} at index "
+                                 f"{i} of {_shown(offsets)}; pass the running sum of the sample lengths")
+            raise ValueError(
+                f"cu_seqlens {_shown(offsets)} hold a zero-length sample at index {i - 1} (offset {offsets[i]} "
+                "repeated): a sample of no tokens has no place in a packed row. Drop empty samples before packing "
+                f"(or drop the repeated offset: {_shown(sorted(set(offsets)))})"
+            )
         missing_row_starts = sorted(set(range(0, total, seq_len)).difference(offsets)) if batch_size > 1 else ()
         if missing_row_starts:
             raise ValueError(
-                f"a segment crosses a row boundary: rows start at multiples of T={seq_len} but cu_seqlens "
-                f"lacks {missing_row_starts[:4]}"
+                f"a segment of cu_seqlens {_shown(offsets)} crosses a row boundary: rows start at multiples of "
+                f"T={seq_len}, and cu_seqlens lack {missing_row_starts[:4]}. End every row's last sample (or its "
+                f"padding span) at the row's end{_layout_hint(offsets, batch_size, seq_len)}"
             )
         padding = tuple(bool(p) for p in padding) if padding is not None else (False,) * (len(offsets) - 1)
         if len(padding) != len(offsets) - 1:
@@ -234,7 +245,8 @@ class Boundaries:
         )
         if max_seqlen is not None and int(max_seqlen) < boundaries.max_seqlen:  # an upper bound, as flash-attn reads it
             raise ValueError(
-                f"max_length {int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {boundaries.max_seqlen}"
+                f"max_length {int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {boundaries.max_seqlen}; "
+                f"pass max_length_q = max_length_k = {boundaries.max_seqlen}, or leave them out"
             )
         return boundaries
 
@@ -261,7 +273,8 @@ class Boundaries:
             row, col = (step < 0).nonzero()[0].tolist()
             raise ValueError(
                 f"seq_idx must be non-decreasing along each row; row {row} goes from "
-                f"{host[row, col].item()} to {host[row, col + 1].item()} at token {col + 1}"
+                f"{host[row, col].item()} to {host[row, col + 1].item()} at token {col + 1}. Number each row's "
+                "samples in order (0, 0, 1, 1, 1, 2, ...)"
             )
         starts = torch.zeros_like(host, dtype=torch.bool)
         starts[:, 1:] = step != 0
@@ -273,9 +286,9 @@ class Boundaries:
         """From ``position_ids [B, T]`` (or MRoPE ``[R, B, T]``) by the rule in the module docstring.
 
         With a 2-D ``attention_mask`` (1 = token, 0 = padding), padding tokens form spans of their own and the
-        rule runs over each row's kept tokens, so a sample's ids may skip over padding: a kept token right after
-        padding whose id continues the kept token before it (transformers' ``(cumsum(mask) - 1) * mask`` ids)
-        would be one sample with a hole in it, which packfree cannot run exactly, and raises."""
+        rule runs over each row's kept tokens: a kept token right after padding whose id continues the kept token
+        before it (by 1, as ``(cumsum(mask) - 1) * mask`` ids do, or by the distance, as ``arange`` ids do) would
+        make one sample with a hole in it, which packfree cannot run exactly, and raises."""
         if not position_ids.is_floating_point():  # float ids are read by the same rule, as stock reads them
             _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
@@ -286,7 +299,7 @@ class Boundaries:
         if host.ndim not in (2, 3):
             raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
         if attention_mask is None:  # every token kept: one vectorised pass on the host
-            starts = _id_starts(host.numpy(), planes=host.ndim == 3)
+            starts = id_starts(host.numpy(), planes=host.ndim == 3)
             starts[:, 0] = True
             batch_size, seq_len = starts.shape
             offsets = starts.ravel().nonzero()[0].tolist() + [batch_size * seq_len]
@@ -295,16 +308,19 @@ class Boundaries:
         starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
         for row in range(starts.shape[0]):
             tokens = kept[row].nonzero().flatten()
-            row_starts = torch.from_numpy(_id_starts(host[..., row, tokens].numpy(), planes=host.ndim == 3))
+            row_starts = torch.from_numpy(id_starts(host[..., row, tokens].numpy(), planes=host.ndim == 3,
+                                                    tokens=tokens.numpy()))
             after_gap = torch.zeros_like(row_starts)
             after_gap[1:] = tokens[1:] > tokens[:-1] + 1
             holes = (after_gap & ~row_starts).nonzero().flatten()
             if len(holes):
-                token = int(tokens[holes[0]])
+                token, before = int(tokens[holes[0]]), int(tokens[holes[0] - 1])
                 raise ValueError(
-                    f"attention_mask has padding inside a sample (row {row}, before token {token}): the position_ids "
-                    "continue across it. packfree cannot leave a hole in a packed sample; drop the padding tokens "
-                    "from the row, or restart the position ids at 0 after it if a new sample starts there"
+                    f"attention_mask has padding inside a sample (row {row}, tokens {before + 1}..{token - 1}): the "
+                    f"position_ids continue across it ({_id_at(host, row, before)} at token {before}, "
+                    f"{_id_at(host, row, token)} at token {token}). packfree cannot leave a hole in a packed sample; "
+                    "drop the padding tokens from the row, or restart the position ids at 0 after it if a new "
+                    "sample starts there"
                 )
             starts[row, tokens] = row_starts
         starts[:, 1:] |= kept[:, 1:] != kept[:, :-1]  # padding spans are segments of their own
@@ -346,22 +362,26 @@ class Boundaries:
         device = torch.device(device)
         if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
             if cu_seq_lens_q is None or cu_seq_lens_k is None:
-                raise ValueError("pass both cu_seq_lens_q and cu_seq_lens_k (packfree packs self-attention rows)")
+                given = "cu_seq_lens_q" if cu_seq_lens_q is not None else "cu_seq_lens_k"
+                raise ValueError(f"only {given} was passed; pass the same tensor as both cu_seq_lens_q and "
+                                 "cu_seq_lens_k (packfree packs self-attention rows)")
             _require_device("cu_seq_lens_q", cu_seq_lens_q, device)
             _require_device("cu_seq_lens_k", cu_seq_lens_k, device)
             if cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
                 raise ValueError(
-                    "cu_seq_lens_k differs from cu_seq_lens_q: a packed batch for self-attention has the same "
-                    "boundaries for queries and keys"
+                    f"cu_seq_lens_k {_shown(cu_seq_lens_k.tolist())} differs from cu_seq_lens_q "
+                    f"{_shown(cu_seq_lens_q.tolist())}: a packed batch for self-attention has the same boundaries for "
+                    "queries and keys; pass the same tensor as both"
                 )
             if max_length_q is not None and max_length_k is not None and int(max_length_q) != int(max_length_k):
-                raise ValueError(f"max_length_q={int(max_length_q)} differs from max_length_k={int(max_length_k)}")
+                raise ValueError(f"max_length_q={int(max_length_q)} differs from max_length_k={int(max_length_k)}; "
+                                 "pass the longest sample's length as both")
             boundaries = cls.from_cu_seqlens(
                 cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, device=device, max_seqlen=max_length_q
             )
         elif seq_idx is not None:
             if tuple(seq_idx.shape) != (batch_size, seq_len):
-                raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+                raise ValueError(shape_disagreement("seq_idx", seq_idx, batch_size, seq_len))
             boundaries = cls.from_seq_idx(seq_idx, device=device)
         elif position_ids is not None:
             if attention_mask is not None:
@@ -408,7 +428,8 @@ class Boundaries:
                 raise ValueError(
                     f"attention_mask contradicts the packed boundaries: segment {index} (tokens {start}..{start + length - 1}"
                     f" of the flattened batch) is partly masked ({kept} of {length} tokens kept); a packed sample "
-                    "must be entirely kept or entirely padding"
+                    "must be entirely kept or entirely padding. Make each padding span a segment of its own in "
+                    "cu_seq_lens / seq_idx, or drop the attention_mask"
                 )
         return Boundaries(
             self.offsets,
@@ -420,26 +441,65 @@ class Boundaries:
         )
 
 
-def _id_starts(ids: numpy.ndarray, *, planes: bool) -> numpy.ndarray:
-    """Where samples start by the position-ids rule, along the last axis of host ids ``[..., L]``; with ``planes``
-    the first axis holds MRoPE planes without a text plane and a sample starts where every plane is 0 (that
-    axis is dropped). Bool. (numpy: these few host operations cost a quarter of torch's per-call overhead.)"""
+def id_starts(ids: numpy.ndarray, *, planes: bool, tokens: numpy.ndarray | None = None) -> numpy.ndarray:
+    """The one rule for where a sample starts by its position ids (docs/input-contract.md), along the last axis of
+    host ids ``[..., L]`` of a row's kept tokens, at token indices ``tokens [L]`` (None: ``0..L-1``, every token
+    kept): at the first token, and at every token whose id continues the previous token's neither by 1 nor by the
+    distance between them (ids that run on across padding, as ``arange`` numbers a padded row, continue). With
+    ``planes`` the first axis holds MRoPE planes without a text plane and a sample starts where every plane is 0
+    (that axis is dropped). Bool ``[..., L]``. (numpy: a quarter of torch's per-call overhead.)"""
     if planes:
         return (ids == 0).all(axis=0)
     starts = numpy.empty(ids.shape, dtype=bool)
     starts[..., :1] = True
-    numpy.not_equal(ids[..., 1:], ids[..., :-1] + 1, out=starts[..., 1:])
+    step = ids[..., 1:] - ids[..., :-1]
+    numpy.not_equal(step, 1, out=starts[..., 1:])
+    if tokens is not None:
+        starts[..., 1:] &= step != numpy.diff(tokens)
     return starts
+
+
+def _shown(offsets: Sequence[int]) -> str:
+    """Offsets for a message: the first 12 of them."""
+    offsets = list(offsets)
+    return str(offsets) if len(offsets) <= 12 else f"[{', '.join(map(str, offsets[:12]))}, ...]"
+
+
+def _layout_hint(offsets: Sequence[int], batch_size: int, seq_len: int) -> str:
+    """The ``cu_seqlens`` a ``[batch_size, seq_len]`` batch expects, for a message: rows start at multiples of
+    ``seq_len`` and each row's padding is a segment of its own; with the lengths of ``offsets`` laid out row after
+    row (a cumsum that skipped each row's padding), the offsets that layout gives, when it fits."""
+    rows: list[list[int]] = [[]]
+    for length in (b - a for a, b in zip(offsets, offsets[1:])):
+        if length <= 0 or length > seq_len:
+            rows = []
+            break
+        if sum(rows[-1]) + length > seq_len:
+            rows.append([])
+        rows[-1].append(length)
+    if len(rows) != batch_size:
+        return (f": each row's padding is a segment of its own, and rows start at multiples of T={seq_len}"
+                if batch_size > 1 else f": a padding tail is a segment of its own, ending at T={seq_len}")
+    expected = [0]
+    for row in rows:
+        for length in row + ([seq_len - sum(row)] if sum(row) < seq_len else []):
+            expected.append(expected[-1] + length)
+    return (f": for these samples laid out row by row, each row's padding a segment of its own (marked 0 in "
+            f"attention_mask), pass cu_seq_lens_q = cu_seq_lens_k = {_shown(expected)}")
+
+
+def _id_at(ids: torch.Tensor, row: int, token: int) -> str:
+    """The id of ``token`` in ``row`` of host ids ``[B, T]`` or ``[R, B, T]`` (every plane), for a message."""
+    value = ids[..., row, token]
+    return str(value.tolist())
 
 
 def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
     """``position_ids`` ``[B, T]`` (or ``[R, B, T]``), a batch of 1 broadcast to ``B``; other shapes raise."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim not in (2, 3):
-        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
-        raise ValueError(f"position_ids must be [B, T] or [R, B, T] (MRoPE), got {shape} for inputs [B={batch_size}, "
-                         f"T={seq_len}]")
-    if position_ids.shape[-1] != seq_len or position_ids.shape[-2] not in (1, batch_size):
-        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, inputs are [B={batch_size}, T={seq_len}]")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim not in (2, 3) or \
+            position_ids.shape[-1] != seq_len or position_ids.shape[-2] not in (1, batch_size):
+        raise ValueError(shape_disagreement("position_ids", position_ids, batch_size, seq_len,
+                                            expected="[B, T], [1, T] or [R, B, T] (MRoPE)"))
     if position_ids.shape[-2] == batch_size:
         return position_ids
     return position_ids.expand(*position_ids.shape[:-2], batch_size, seq_len)
@@ -447,10 +507,22 @@ def _rows_of(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> torch
 
 def _check_mask_shape(attention_mask: torch.Tensor, batch_size: int, seq_len: int) -> None:
     if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch_size, seq_len):
-        raise ValueError(
-            f"attention_mask must be a 2-D padding mask [B={batch_size}, T={seq_len}], got shape "
-            f"{tuple(attention_mask.shape)}"
-        )
+        raise ValueError(shape_disagreement("attention_mask", attention_mask, batch_size, seq_len,
+                                            expected="a 2-D padding mask [B, T]"))
+
+
+def shape_disagreement(name: str, value: Any, batch_size: int, seq_len: int, *, expected: str = "[B, T]") -> str:
+    """The message for a per-token input ``name`` whose shape disagrees with the tokens' ``[batch_size, seq_len]``:
+    both shapes, the likely cause and the fix."""
+    shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    cause = ""
+    if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[-1] != seq_len:
+        cause = (f" Its last dimension holds {value.shape[-1]} tokens, the rows {seq_len}: padded (or truncated) "
+                 "apart from input_ids, e.g. a collator's pad_to_multiple_of applied to some fields only.")
+    elif isinstance(value, torch.Tensor) and value.ndim == 1:
+        cause = f" A 1-D tensor gives no rows; pass it as [1, {seq_len}] or [{batch_size}, {seq_len}]."
+    return (f"{name} has shape {shape} but the tokens (input_ids or inputs_embeds) are [B={batch_size}, T={seq_len}]"
+            f"; {name} must be {expected}.{cause} Build every per-token field of the batch with the same padding")
 
 
 def _host_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

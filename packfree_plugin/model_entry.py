@@ -51,7 +51,7 @@ from .seq2seq import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .signature import class_forward_parameters, without_cache
 
 __all__ = ["ModelForward", "add_read_check", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers",
-           "leave_model", "remove_model_hook", "set_call", "unhook_layers"]
+           "leave_model", "leave_targets_to_a_step", "remove_model_hook", "set_call", "unhook_layers"]
 
 Step = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
 """``(model, args, kwargs) -> (args, kwargs)`` (None: unchanged), run after enter with the boundaries pushed."""
@@ -63,6 +63,7 @@ ReadCheck = Callable[[Boundaries], None]
 _EARLIER = "_packfree_earlier_model_forward"
 _STEPS = "_packfree_model_steps"
 _CALL = "_packfree_model_call"
+_TARGETS_CHECKED_BY_STEP = "_packfree_targets_checked_by_step"
 _HANDLES_ATTR = "_packfree_layer_hook_handles"
 _CARRIES_ATTR = "_packfree_carries_boundaries"
 _LAYERS_ATTR = "_packfree_hooked_layers"
@@ -150,6 +151,13 @@ def add_read_check(check: ReadCheck) -> None:
         _READ_CHECKS.append(check)
 
 
+def leave_targets_to_a_step(model: nn.Module) -> None:
+    """Let a step added to ``model`` check its packed rows' ``labels`` / ``shift_labels`` instead of the entry: a
+    sequence-parallel shard's step reads the whole row on every rank alike, where the entry's check of one shard would
+    refuse on one rank only and leave the others waiting in a collective."""
+    model.__dict__[_TARGETS_CHECKED_BY_STEP] = True
+
+
 def set_call(model: nn.Module, call: Call) -> None:
     """Make ``call(model, own_forward, *args, **kwargs)`` what ``model``'s entry runs in place of its own forward."""
     model.__dict__[_CALL] = call
@@ -182,6 +190,7 @@ def remove_model_hook(model: nn.Module) -> None:
                 owner[name] = functools.partial(type(module).forward, module)
         module.__dict__.pop(_STEPS, None)
         module.__dict__.pop(_CALL, None)
+        module.__dict__.pop(_TARGETS_CHECKED_BY_STEP, None)
     unhook_layers(model)
 
 
@@ -281,14 +290,16 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     takes_kwargs = parameters.var_keyword is not None
     bound = parameters.bind((module, *args), kwargs)
     arguments = {**bound.pop(parameters.var_keyword, {}), **bound} if takes_kwargs else dict(bound)
-    check_rope_ids(module, arguments)
     # A nested model whose parent did not forward its kwargs reuses the parent's boundaries.
     inherited = outer is not None and _inherits(outer, tokens_of(arguments), arguments)
     boundaries = outer if inherited else paired_decoder(outer, arguments, kwargs)
     if boundaries is None:
-        boundaries = boundaries_for_call(arguments, causal_labels=not seq2seq)
+        checks_targets = not seq2seq and not module.__dict__.get(_TARGETS_CHECKED_BY_STEP)
+        boundaries = boundaries_for_call(arguments, causal_labels=checks_targets,
+                                         reads_position_ids="position_ids" in parameters.names)
         if boundaries is not None and outer is None:  # the outermost call's ids are the caller's
             boundaries.callers_position_ids = arguments.get("position_ids")
+    check_rope_ids(module, arguments)  # after the shapes were checked, which reading the boundaries does first
     if seq2seq:
         pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:

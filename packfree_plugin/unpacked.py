@@ -6,13 +6,12 @@ inside it too (transformers' tests build such padded references, and stock sdpa/
 :class:`~packfree_plugin.boundaries.Boundaries` cannot carry a hole inside a sample, so such a batch gets none: the
 call runs on transformers' own mask, and every mixer on its own forward with the stock mask, which is what stock does.
 
-Restarting ids, read over each row's kept tokens (``attention_mask`` 1, every token without a mask):
-
-- ``[B, T]`` ids (integer or float, as stock accepts both): an id not greater than the kept token before it. Ids that
-  run on across padding (``arange``, or ``(cumsum(mask) - 1) * mask``) do not restart; ids that jump forward do not
-  either (with a mask, stock reads ids for positions only);
-- ``[4, B, T]`` MRoPE ids: the same on the first (text) plane;
-- ``[3, B, T]`` MRoPE ids: a kept token whose three planes are all 0 (vision tokens repeat and go back in h and w).
+Ids that start a sample after a row's first kept token (``attention_mask`` 1, every token without a mask) are read by
+the one rule of :func:`packfree_plugin.boundaries.id_starts`, the same with a mask and without: an id that continues
+the kept token before it neither by 1 nor by their distance (integer or float ids, as stock accepts both). Ids that run
+on across padding (``arange``, or ``(cumsum(mask) - 1) * mask``) start nothing; ids that restart or jump forward
+start a sample. ``[4, B, T]`` MRoPE ids: the same on the first (text) plane; ``[3, B, T]`` MRoPE ids: a kept token
+whose three planes are all 0 (vision tokens repeat and go back in h and w).
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ from typing import Any
 
 import torch
 
+from .boundaries import id_starts
 from .keywords import PACKING_KWARGS
 from .model_quirks import config_quirk, switched_on
 
-__all__ = ["carries_packing_signal", "has_holes", "ids_restart",
+__all__ = ["carries_packing_signal", "has_holes", "ids_start_samples",
            "reads_as_one_sample_per_row", "slices_its_mask"]
 
 def has_holes(attention_mask: torch.Tensor) -> bool:
@@ -34,7 +34,7 @@ def has_holes(attention_mask: torch.Tensor) -> bool:
     return bool((runs > 1).any())
 
 
-def ids_restart(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+def ids_start_samples(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether ``position_ids`` (``[B, T]``, ``[1, T]``, ``[3 | 4, B, T]``) start a new sample after the first kept
     token of some row (see the module docstring); ``attention_mask [B, T]``: nonzero on kept tokens, None: all kept."""
     host = position_ids.detach().to("cpu")
@@ -48,15 +48,12 @@ def ids_restart(position_ids: torch.Tensor, attention_mask: torch.Tensor | None)
     kept = None if attention_mask is None else attention_mask.detach().to("cpu") != 0
     for row in range(rows if kept is None else kept.shape[0]):
         ids = host[:, row if rows > 1 else 0]
+        tokens = None
         if kept is not None:
-            ids = ids[:, kept[row]]
-        if ids.shape[-1] < 2:
-            continue
-        if planes:
-            restarts = (ids[:, 1:] == 0).all(dim=0)
-        else:
-            restarts = ids[0, 1:] <= ids[0, :-1]
-        if bool(restarts.any()):
+            tokens = kept[row].nonzero().flatten()
+            ids, tokens = ids[:, tokens], tokens.numpy()
+        starts = id_starts(ids.numpy() if planes else ids[0].numpy(), planes=planes, tokens=tokens)
+        if bool(starts[1:].any()):
             return True
     return False
 
@@ -68,7 +65,7 @@ def carries_packing_signal(arguments: dict[str, Any]) -> bool:
         return True
     position_ids, mask = arguments.get("position_ids"), arguments.get("attention_mask")
     mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
-    return isinstance(position_ids, torch.Tensor) and ids_restart(position_ids, mask)
+    return isinstance(position_ids, torch.Tensor) and ids_start_samples(position_ids, mask)
 
 
 def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:

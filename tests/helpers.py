@@ -56,3 +56,29 @@ def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
         else:
             worst = max(worst, float((x - y).abs().max()))
     return worst
+
+
+# ------------------------------------------------------------------------------------- ranks
+COLLECTIVE_SECONDS = 60
+"""How long a rank waits in one collective for its peers (the gloo process group's timeout) before it raises: the
+ranks of a test run the same small steps, seconds apart even on a loaded 2-core machine, so a rank that waits this
+long waits for a peer that took another path (a planted bug in a head-group split hung 4 minutes before this)."""
+
+
+def wait_for_ranks(processes: list, seconds: float) -> list[int | None]:
+    """Wait for spawned rank ``processes`` until all exit, one fails, or ``seconds`` pass; end the ones still running
+    (a rank left waiting in a collective for a failed peer) and return the exit codes as they were (None: it was
+    still running)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(process.is_alive() for process in processes) and time.monotonic() < deadline:
+        if any(process.exitcode not in (None, 0) for process in processes):
+            break
+        time.sleep(0.5)
+    codes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return codes

@@ -91,3 +91,58 @@ def test_packing_signs_name_what_says_packed() -> None:
     assert packing_signs({"seq_idx": torch.zeros(1, 9), "cu_seq_lens_q": cu, "max_length_q": 9}) == [
         "cu_seq_lens_q", "seq_idx"]
     assert packing_signs({"position_ids": torch.arange(9)[None]}) == []
+
+
+@pytest.mark.parametrize("mask", [None, torch.ones(1, 11, dtype=torch.long)], ids=["no mask", "all-ones mask"])
+def test_one_rule_starts_a_sample_with_a_mask_as_without(mask: torch.Tensor | None) -> None:
+    """Ids that jump forward start a sample; ids that run on across padding (arange, cumsum) start none."""
+    jumping = {"input_ids": torch.ones(1, 11, dtype=torch.long),
+               "position_ids": torch.cat([torch.arange(5), torch.arange(20, 26)])[None], "attention_mask": mask}
+    assert boundaries_for_call(jumping).lengths == (5, 6)
+    holey = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    for ids in (torch.arange(11)[None], ((holey.cumsum(1) - 1) * holey)):  # one padded sample with a hole: stock
+        assert boundaries_for_call({"input_ids": jumping["input_ids"], "position_ids": ids, "attention_mask": holey}) \
+            is None
+
+
+def test_a_shard_s_targets_are_checked_against_the_whole_row() -> None:
+    """A sequence-parallel shard holds tokens 4..7 of the row ``[3, 2, 4]``: its shift_labels at token 4 (the last
+    token before the sample at 5) must be -100; ``labels`` are checked at the sample's first token instead."""
+    from packfree_plugin.batch_reading import crossing_target
+
+    whole = boundaries_for_call(_packed_row())
+    shard = torch.tensor([[-100, 7, 7, 7]])  # the row's tokens 4..7
+    assert crossing_target(shard, whole, shifted=True, first_token=4) is None
+    assert crossing_target(torch.tensor([[7, 7, 7, 7]]), whole, shifted=True, first_token=4) == (0, 4, 7)
+    assert crossing_target(torch.tensor([[7, 7, 7, 7]]), whole, shifted=False, first_token=4) == (0, 5, 7)
+
+
+def test_shard_batch_refuses_targets_that_cross_a_sample() -> None:
+    from packfree_plugin.parallel import shard_batch
+
+    row = _packed_row()
+    shift_labels = torch.nn.functional.pad(row["labels"][:, 1:], (0, 1), value=-100)
+    inputs, targets = shard_batch({**row, "shift_labels": shift_labels}, 1, 2)
+    assert torch.equal(targets, torch.nn.functional.pad(shift_labels, (0, 1), value=-100)[:, 5:])
+    with pytest.raises(ValueError, match=r"shift_labels at the last token before a packed sample \(row 0, token 2"):
+        shard_batch({**row, "shift_labels": torch.roll(row["input_ids"], -1, 1)}, 0, 2)
+    row["labels"][0, 3] = 7
+    with pytest.raises(ValueError, match=r"labels at the first token of a packed sample \(row 0, token 3\)"):
+        shard_batch(row, 0, 2)
+
+
+def test_fields_of_another_length_are_refused_before_use() -> None:
+    row = _packed_row()
+    for name, value in [("attention_mask", torch.ones(1, 8)), ("seq_idx", torch.zeros(1, 8, dtype=torch.int32)),
+                        ("shift_labels", row["labels"][:, :8]), ("position_ids", row["position_ids"][:, :8])]:
+        with pytest.raises(ValueError, match=rf"{name} has shape \[1, 8\] but the tokens .* \[B=1, T=9\]"):
+            boundaries_for_call({**row, name: value})
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q has shape \[1, 4\]; it must be 1-D"):
+        cu = torch.tensor([[0, 3, 5, 9]], dtype=torch.int32)
+        boundaries_for_call({"input_ids": row["input_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+    arange_1d = {"input_ids": torch.ones(2, 9, dtype=torch.long), "position_ids": torch.arange(9)}
+    assert boundaries_for_call(arange_1d, reads_position_ids=False).lengths == (9, 9)  # ignored, as stock does
+    with pytest.raises(ValueError, match=r"position_ids has shape \[9\]"):
+        boundaries_for_call(arange_1d)
+    with pytest.raises(ValueError, match=r"position_ids has shape \[9\]"):  # ids that pack cannot be dropped
+        boundaries_for_call({**arange_1d, "position_ids": row["position_ids"][0]}, reads_position_ids=False)

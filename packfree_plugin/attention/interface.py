@@ -32,8 +32,9 @@ from .varlen import VARLEN_BACKENDS
 __all__ = ["choose_backend", "packfree_attention_forward", "run_packed_attention"]
 
 _INERT_TENSOR_KWARGS = frozenset({*BOUNDARY_KWARGS, "position_ids", "cache_position", "num_items_in_batch",
-                                  "encoder_hidden_states"})
-"""Tensors that reach attention calls through transformers' **kwargs without changing what attention computes."""
+                                  "encoder_hidden_states", "shift_labels"})
+"""Tensors that reach attention calls through transformers' **kwargs without changing what attention computes
+(``shift_labels``: the loss's targets, which ``...ForCausalLM`` passes down with its other kwargs)."""
 
 
 def choose_backend(query: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..batch_reading import check_labels
 from ..boundaries import Boundaries
 from ..keywords import BOUNDARY_KWARGS
 
@@ -16,27 +17,34 @@ IGNORE = -100
 
 def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, causal: bool = True,
                 pad_token_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """This rank's shard of a packed batch (``input_ids`` / ``position_ids`` / ``labels`` ``[B, T]``, as
-    ``DataCollatorWithFlattening`` or :class:`packfree_plugin.PackedCollator` build it; ``cu_seq_lens`` / ``seq_idx``
-    are turned into ``position_ids``) -> ``(inputs [B, T'/P], targets [B, T'/P])``.
+    """This rank's shard of a packed batch (``input_ids`` / ``position_ids`` / ``labels`` or ``shift_labels``
+    ``[B, T]``, as ``DataCollatorWithFlattening`` or :class:`packfree_plugin.PackedCollator` build it; ``cu_seq_lens``
+    / ``seq_idx`` are turned into ``position_ids``) -> ``(inputs [B, T'/P], targets [B, T'/P])``.
 
     ``T`` is padded to ``T'``, a multiple of ``world_size``, with one padding sample (positions 0, 1, ...; targets
-    -100), which no real sample sees. ``targets`` are what each token predicts: for a causal LM the row's labels
-    shifted left by one *before* sharding (so a shard's last token predicts the next shard's first, and a sample's
-    last token predicts nothing: its next label is the -100 at the next sample's start); otherwise the labels.
-    Pass ``inputs`` to the model and ``targets`` to :func:`shard_loss`."""
+    -100), which no real sample sees. ``targets`` are what each token predicts: for a causal LM the row's
+    ``shift_labels`` where given (transformers' name for targets already shifted), else its labels shifted left by
+    one *before* sharding (so a shard's last token predicts the next shard's first, and a sample's last token predicts
+    nothing: its next label is the -100 at the next sample's start); otherwise the labels. A causal target that
+    crosses into the next sample is refused, as the model refuses it on a whole row. Pass ``inputs`` to the model and
+    ``targets`` to :func:`shard_loss`."""
     tokens = batch["input_ids"]
     batch_size, seq_len = tokens.shape
+    whole = Boundaries.from_model_inputs(batch_size=batch_size, seq_len=seq_len, device=tokens.device,
+                                         position_ids=batch.get("position_ids"),
+                                         **{name: batch.get(name) for name in BOUNDARY_KWARGS})
     position_ids = batch.get("position_ids")
     if position_ids is None:
-        position_ids = Boundaries.from_model_inputs(
-            batch_size=batch_size, seq_len=seq_len, device=tokens.device,
-            **{name: batch.get(name) for name in BOUNDARY_KWARGS}).position_ids.to(torch.long)
-    labels = batch.get("labels")
+        position_ids = whole.position_ids.to(torch.long)
+    shift_labels = batch.get("shift_labels") if causal else None
+    labels = shift_labels if shift_labels is not None else batch.get("labels")
     if labels is None:
-        raise ValueError("shard_batch needs labels [B, T] (-100 at every packed sample's first token)")
-    pad = -seq_len % world_size
+        raise ValueError("shard_batch needs labels [B, T] (-100 at every packed sample's first token) or, for a causal "
+                         "LM, shift_labels [B, T] (-100 at every packed sample's last token)")
     if causal:
+        check_labels({"shift_labels" if shift_labels is not None else "labels": labels}, whole)
+    pad = -seq_len % world_size
+    if causal and shift_labels is None:
         labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), IGNORE)], dim=1)
     if pad:
         tokens = torch.cat([tokens, tokens.new_full((batch_size, pad), pad_token_id)], dim=1)

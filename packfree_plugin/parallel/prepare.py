@@ -3,7 +3,9 @@
 :func:`prepare_sequence_parallel` refuses at set-up every layer that would read the shard as the row, and adds a
 hook after packfree's model hook: it all-gathers the shard's ``position_ids`` over the group, builds the whole
 row's boundaries once per forward, and attaches them to the shard's boundaries as a :class:`.shard.SequenceShard`.
-The shard boundaries never become sample boundaries.
+The shard boundaries never become sample boundaries. The hook also checks the loss targets a shard is called with
+(``shift_labels``, as transformers' DeepSpeed sequence-parallel loss passes them, else ``labels``) over the whole row,
+gathered, so every rank refuses a target that crosses a sample alike (the entry's own check, of one shard, is off).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
 from ..context import boundaries_here
 from ..keywords import PACKING_KWARGS
-from ..model_entry import add_step, apply_model_hook
+from ..batch_reading import check_labels
+from ..model_entry import add_step, apply_model_hook, leave_targets_to_a_step
 from ..model_quirks import quirk_of
 from ..signature import class_forward_parameters, without_cache
 from .heads import sequence_parallel_call
@@ -72,6 +75,8 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         )
     rows = _gather_rows(position_ids, group)
     whole = Boundaries.from_position_ids(rows, device=position_ids.device)
+    if whole.is_packed and not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        _check_whole_row_targets(kwargs, whole, group)
     SequenceShard(whole, group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel_call).attach(local)
     # A shard is never a whole sample (the row goes on on other ranks), so every consumer takes packfree's path, on
     # every rank alike: a rank whose shard holds one sample must not run a stock mixer while the others exchange.
@@ -80,6 +85,15 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     # in an exchange).
     local.is_packed = True
     return without_cache(class_forward_parameters(type(module)), args, kwargs)
+
+
+def _check_whole_row_targets(kwargs: dict, whole: Boundaries, group: dist.ProcessGroup) -> None:
+    """Refuse, on every rank alike, loss targets of the shards that cross a sample of the ``whole`` row: the shards'
+    ``shift_labels`` (or ``labels``) ``[B, T/P]`` gathered into ``[B, T]`` and checked as one row's."""
+    name = "shift_labels" if isinstance(kwargs.get("shift_labels"), torch.Tensor) else "labels"
+    targets = kwargs.get(name)
+    if isinstance(targets, torch.Tensor) and targets.ndim == 2:
+        check_labels({name: _gather_rows(targets, group)}, whole)
 
 
 def check_splittable(model: nn.Module) -> None:
@@ -124,6 +138,7 @@ def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None 
     apply_model_hook(model)  # packfree's own entry: the shard step runs in it, after it has added the boundaries
     outermost = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
     add_step(outermost, _shard_hook)
+    leave_targets_to_a_step(outermost)
     setattr(outermost, _HOOK_ATTR, group)
     return model
 

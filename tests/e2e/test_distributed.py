@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import fresh_pair, samples_of
+from tests.helpers import COLLECTIVE_SECONDS, fresh_pair, samples_of, wait_for_ranks
 
 ROWS = [[5, 9, 3], [7, 4, 6, 2]]  # sample lengths of rank 0's and rank 1's packed row
+RUN_SECONDS = 300
+"""The limit for a run: importing transformers and one step on each rank (under a minute on a loaded 2-core machine)."""
 
 
 def _batch(rank: int) -> dict[str, torch.Tensor]:
@@ -30,7 +33,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _worker(rank: int, port: int, wrapper: str, model_type: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks share the CI machine's two cores
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=COLLECTIVE_SECONDS))
     try:
         torch.manual_seed(0)
         model, _ = fresh_pair(model_type)
@@ -72,15 +75,8 @@ def test_data_parallel_gradients_equal_one_process(wrapper: str, model_type: str
     processes = [context.Process(target=_worker, args=(rank, port, wrapper, model_type, out)) for rank in range(2)]
     for process in processes:
         process.start()
-    try:
-        for process in processes:
-            process.join(timeout=300)
-            assert process.exitcode == 0, f"a rank exited with {process.exitcode} (None: still running after 300 s)"
-    finally:
-        for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
-            if process.is_alive():
-                process.kill()
-                process.join()
+    codes = wait_for_ranks(processes, RUN_SECONDS)  # a failed rank ends the wait, and its peer, at once
+    assert codes == [0, 0], f"ranks exited with {codes} (None: still running after {RUN_SECONDS} s)"
     distributed = torch.load(out)
     torch.manual_seed(0)
     model, _ = fresh_pair(model_type)

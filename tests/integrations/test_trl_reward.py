@@ -93,3 +93,26 @@ def test_reward_refuses_a_head_that_pools_once_per_packed_row() -> None:
     call = _PackedHeadCall(pooled_once_per_row, max_tokens_per_row=None, pad_token_id=0)
     with pytest.raises(ValueError, match="returned 1 scores for the 3 packed samples"):
         call(input_ids=torch.arange(1, 13).view(3, 4) * mask, attention_mask=mask)
+
+
+def test_reward_moe_router_loss_on_rows_with_padding_tails(tmp_path, packings) -> None:
+    """Qwen3-MoE (``output_router_logits`` on) under a 30-token budget, whose rows end in padding tails: equal to TRL's
+    padded reward trainer. transformers' sequence-classification head returns no router loss and TRL's reward trainer
+    adds none (5.25, 1.16: dropping the tails' mask from the scoring call leaves this test green, while it moves the
+    DPO test's), so what this holds is the experts' scores and gradients on rows with tails."""
+    from transformers import AutoModelForSequenceClassification
+
+    from packfree_plugin.integrations.trl import PackedRewardTrainer
+    from packfree_plugin.tiny import tiny_tokenizer
+
+    dataset = datasets.Dataset.from_list(preference_rows(8, empty_prompt=False))
+    records = []
+    for packed in (True, False):
+        model = models("qwen3_moe", head=AutoModelForSequenceClassification)[0 if packed else 1]
+        args = trl.RewardConfig(**common_config(tmp_path / str(packed), max_steps=1))
+        cls = PackedRewardTrainer if packed else trl.RewardTrainer
+        extra = {"max_tokens_per_row": 30} if packed else {}
+        records.append(train(cls(model=model, args=args, train_dataset=dataset, processing_class=tiny_tokenizer(),
+                                 **extra)))
+    assert packings and all(rows.attention_mask is not None and rows.rows > 1 for rows in packings)
+    assert_runs_equal(*records, rtol=1e-9, keys=METRICS)

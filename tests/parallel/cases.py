@@ -16,7 +16,6 @@ import functools
 import os
 import socket
 import sys
-import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers import COLLECTIVE_SECONDS, wait_for_ranks
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> No
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     faulthandler.dump_traceback_later(START_SECONDS, exit=True)
     torch.set_num_threads(1)  # the ranks share the CI machine's two cores
-    timeout = timedelta(seconds=CASE_SECONDS)  # a collective whose peer is gone raises instead of waiting forever
+    timeout = timedelta(seconds=COLLECTIVE_SECONDS)  # a collective whose peer went elsewhere raises, not hangs
     if any(case.engine == "ulysses" for case in cases):
         from packfree_plugin.parallel import init_deepspeed
 
@@ -338,19 +339,8 @@ def run_on_ranks(cases: list[Case], out: str) -> dict[str, object]:
     processes = [context.Process(target=_worker, args=(rank, world, port, cases, out)) for rank in range(world)]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + START_SECONDS + CASE_SECONDS * len(cases)  # the ranks' own limits come first
-    try:
-        while any(process.is_alive() for process in processes) and time.monotonic() < deadline:
-            if any(process.exitcode not in (None, 0) for process in processes):
-                break
-            time.sleep(0.5)
-        codes = [process.exitcode for process in processes]
-        assert codes == [0] * world, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
-    finally:
-        for process in processes:  # a rank stuck in a collective (its peer failed) is ended, never left behind
-            if process.is_alive():
-                process.kill()
-                process.join()
+    codes = wait_for_ranks(processes, START_SECONDS + CASE_SECONDS * len(cases))  # the ranks' own limits come first
+    assert codes == [0] * world, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
     return torch.load(out, weights_only=False)
 
 
