@@ -34,7 +34,8 @@ def run(quick: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the registry
+    from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters
+    from packfree_plugin.classes import CLASSES
 
     packfree_plugin.register()
     generator = torch.Generator().manual_seed(0)
@@ -47,16 +48,17 @@ def run(quick: bool = False) -> list[dict]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_config(model_type), attn_implementation="packfree",
                                                  experts_implementation="eager").train()
-        native = entry.REGISTRY[mixer]
+        family = CLASSES[mixer].mixer
+        native = entry.ADAPTERS[family]
         generic = dataclasses.replace(native, native=None)
 
         def step(adapter: entry.MixerAdapter) -> None:
-            entry.REGISTRY[mixer] = adapter
+            entry.ADAPTERS[family] = adapter
             try:
                 model.zero_grad(set_to_none=True)
                 model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
             finally:
-                entry.REGISTRY[mixer] = native
+                entry.ADAPTERS[family] = native
 
         step(native)  # warm-up of both
         step(generic)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .boundaries import Boundaries, id_starts, shape_disagreement
+from .classes import inherited_entry
 from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKING_KWARGS
 from .signature import tensor_leaves
 from .unpacked import has_holes, reads_as_one_sample_per_row
@@ -32,16 +33,13 @@ def cache_holds_tokens(past: Any) -> bool:
     (attention layers: a sequence length; linear-attention layers: their conv/recurrent states)."""
     if past is None:
         return False
-    from transformers import cache_utils
     from transformers.cache_utils import Cache, EncoderDecoderCache, LinearAttentionCacheLayerMixin
 
-    # a layer that stores nothing (MLP / MoE-only layers of hybrids such as NemotronH; transformers >= 5.2x)
-    stateless = getattr(cache_utils, "DummyLayer", ())
     if isinstance(past, EncoderDecoderCache):  # a seq2seq decoder: its own self-attention cache is what it continues
         past = past.self_attention_cache
     if isinstance(past, Cache):
         for layer in past.layers:
-            if isinstance(layer, stateless):
+            if inherited_entry(layer).stores_nothing:
                 continue
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 if any(layer.has_previous_state.values()):

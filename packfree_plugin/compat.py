@@ -1,8 +1,8 @@
 """The version contract, in one place: which transformers releases packfree admits, which it was tested on, and how it
 reaches the kernel functions of a release.
 
-packfree reaches into transformers' modeling modules by name (:data:`~.adapters.entry.ROUTED_FUNCTIONS`, the layer
-classes of :mod:`~.adapters.families`) and through its attention, mask and kernel interfaces. ``pyproject.toml``
+packfree reaches into transformers' modeling modules by name (the classes and routed kernel functions of
+:data:`~.classes.CLASSES`) and through its attention, mask and kernel interfaces. ``pyproject.toml``
 declares :data:`TRANSFORMERS_RANGE`; inside it, :data:`TESTED_TRANSFORMERS` are the release series the suite ran on
 (``nox -s compat`` runs the oldest, the default session the newest). A newer release inside the declared range loads:
 the load-time gate proves every model on a tiny copy (no class of it is in ``gate/verified.json``), and packfree says

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from .boundaries import id_starts
+from .classes import inherited_entry, switched_on
 from .keywords import PACKING_KWARGS
-from .model_quirks import config_quirk, switched_on
 
 __all__ = ["carries_packing_signal", "has_holes", "ids_start_samples",
            "reads_as_one_sample_per_row", "slices_its_mask"]
@@ -77,10 +77,10 @@ def reads_as_one_sample_per_row(arguments: dict[str, Any]) -> bool:
 
 def slices_its_mask(config: Any) -> bool:
     """Whether the model of ``config`` (a text config, as mask functions receive it) indexes its masks: a
-    ``slices_mask`` quirk of its config class (:data:`packfree_plugin.model_quirks.QUIRKS`), as found by a sweep of
+    ``slices_mask`` quirk of its config class (:data:`packfree_plugin.classes.CLASSES`), as found by a sweep of
     transformers' modeling files (subscripts of ``create_*_mask`` results and of their mappings' values) and confirmed
     by running each (the sweep's other finds, VisualBERT under ``bypass_transformer`` and Longformer, are refused at
     load for their attention). An unpacked batch of these gets stock's mask tensors; on a packed row the boundaries
     are indexed (:meth:`~packfree_plugin.boundaries.Boundaries.__getitem__`: exact where nothing is cut, refused
     otherwise)."""
-    return switched_on(config_quirk(config).slices_mask, config)
+    return switched_on(inherited_entry(config).slices_mask, config)

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "packfree_plugin"
 FLOORS = (  # bottom first, by top-level module or subpackage of packfree_plugin (docs/layout.md)
     {"compat", "backends", "keywords", "signature", "boundaries", "unpacked", "opaque", "ops", "catalogue",
-     "model_quirks"},
+     "classes"},
     {"context", "batch_reading"},
     {"rope_ids", "seq2seq"},
     {"model_entry"},

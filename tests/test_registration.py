@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_register_is_idempotent_and_unregister_restores() -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
-    import packfree_plugin.adapters.families  # noqa: F401  (fills the routed-function table, as apply() does)
     from packfree_plugin.adapters.routes import install_routes, is_routed, uninstall_routes
 
     packfree_plugin.register()

@@ -1,7 +1,7 @@
 """Seq2seq decoder inputs made per sample.
 
 Models that make their decoder inputs by shifting ``labels`` (or, BART's denoising default, ``input_ids``) right
-(:attr:`~packfree_plugin.model_quirks.Quirk.shifted_decoder_input`) would shift a packed row as one sequence, so
+(:attr:`~packfree_plugin.classes.ClassEntry.shifted_decoder_input`) would shift a packed row as one sequence, so
 every sample but the first would start from the previous sample's last token. On a packed row without
 ``decoder_input_ids`` packfree passes the model's own shift applied to each sample: a step of the model's entry
 (:func:`packfree_plugin.model_entry.add_step`), run after the entry has pushed this forward's boundaries.
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..classes import entry_of
 from ..context import boundaries_here
-from ..model_quirks import quirk_of
 from ..signature import class_forward_parameters
 
 __all__ = ["decoder_inputs_step"]
@@ -49,7 +49,7 @@ def decoder_inputs_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     (its quirk's ``shifted_decoder_input``) as ``decoder_input_ids`` (a step of the model's entry, run after it has
     pushed this forward's boundaries). ``labels`` are cut by the decoder's own boundaries where the batch has them
     (``decoder_position_ids``), else by the encoder's."""
-    source_name = quirk_of(type(module).__name__).shifted_decoder_input
+    source_name = entry_of(type(module)).shifted_decoder_input
     parameters = class_forward_parameters(type(module))
     arguments = parameters.bind((module, *args), kwargs)
     source = arguments.get(source_name)

@@ -1,7 +1,7 @@
 """Attention layers that add ``attention_mask`` to their scores themselves, given the dense mask they can read.
 
 Eager-only attention layers of a few seq2seq families (XGLM, TrOCR, MVP, BigBird-Pegasus' encoder: a
-:attr:`~packfree_plugin.model_quirks.Quirk.dense_mask` quirk) never call transformers' attention interface, so they
+:attr:`~packfree_plugin.classes.ClassEntry.dense_mask` quirk) never call transformers' attention interface, so they
 cannot take packfree's boundaries as their mask. On a packed row they get the block-diagonal additive mask of the
 packed samples (O(T^2) per row, as stock's own), or, where the layer attends outside any mask (block-sparse
 attention), a ``ValueError``. Decoder layers whose self-attention does not declare ``is_causal`` (a
@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..classes import entry_of
 from ..context import boundaries_here
-from ..model_quirks import quirk_of
 from .entry import additive_mask
 from .instance import install, own_forward, own_parameters, uninstall
+from .whole_row import packed_row_refusal
 
 __all__ = ["dense_additive_mask", "dense_cross_mask", "install_dense_mask", "mark_causal", "uninstall_dense_mask",
            "unmark_causal"]
@@ -55,18 +56,19 @@ def dense_cross_mask(pairing: Seq2SeqBoundaries, dtype: torch.dtype) -> torch.Te
 def _dense_mask_forward(module: nn.Module, *args, **kwargs):
     """Such a layer's forward with the mask it expects: packfree's boundaries (training, scoring, prefill) as the
     block-diagonal additive mask of their segments; transformers' boolean ``sdpa`` mask (decoding) as additive."""
-    entry = quirk_of(type(module).__name__).dense_mask
+    dense_mask = entry_of(type(module)).dense_mask
     parameters = own_parameters(module, tag=_TAG)
     arguments = parameters.bind(args, kwargs)
     hidden = arguments["hidden_states"]
-    encoder = arguments.get(entry.cross_input) if entry.cross_input else None
+    encoder = arguments.get(dense_mask.cross_input) if dense_mask.cross_input else None
     mask_name = "encoder_attention_mask" if encoder is not None and "encoder_attention_mask" in parameters.names \
         else "attention_mask"
     mask = arguments.get(mask_name)
     enclosing = boundaries_here(rows=hidden, packed=True)
     packed = enclosing is not None
-    if packed and entry.refused_when is not None and getattr(module, entry.refused_when[0]) == entry.refused_when[1]:
-        raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {entry.reason}. Pass one "
+    refusal = packed_row_refusal(module) if packed else None
+    if refusal is not None:
+        raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {refusal.reason}. Pass one "
                          "sample per row for this model, or shorter packed rows")
     if mask is None and packed:
         # these models pass no mask where a lone sample needs none (an encoder without padding, cross-attention

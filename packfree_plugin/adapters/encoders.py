@@ -1,4 +1,5 @@
-"""Encoders whose attention packfree's attention function cannot serve, registered per family (see :mod:`.entry`).
+"""Encoders whose attention packfree's attention function cannot serve, one adapter per family (see :mod:`.entry`);
+each class names its family in its entry (:data:`packfree_plugin.classes.CLASSES`).
 
 These BERT-era encoders add the mask to their scores in code of their own (``scores + attention_mask``), build
 position information from the row's shape inside the encoder (MPNet's relative-position bias, RoFormer's rotary
@@ -10,15 +11,15 @@ would see alone, and its row-shaped tables are built per sample. The ``ForCausal
 turn the same encoder causal with ``config.is_decoder``; then samples are right-padded into groups under a causal
 mask, as for any causal layer. Their embeddings and heads act per token and run on the packed row.
 
-Classes entered with :func:`.entry.register_refusal` cannot be made exact per sample; loading a model that holds one
-with packfree raises.
+Classes whose entry is refused at load (BigBird's block-sparse attention, Funnel, Perceiver, Longformer) cannot be made
+exact per sample; loading a model that holds one with packfree raises.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .entry import MixerAdapter, register_adapter, register_refusal
+from .entry import MixerAdapter, register_adapter
 
 __all__ = ["is_decoder"]
 
@@ -30,43 +31,27 @@ def is_decoder(layer: nn.Module) -> bool:
 
 # ------------------------------------------------------------------ encoders given the model's 4-D mask
 DECODER_CAPABLE_ENCODERS = register_adapter(MixerAdapter(
-    "bert_era_encoder", ("BigBirdEncoder", "MegatronBertEncoder", "RemBertEncoder", "RoFormerEncoder"),
-    attention="eager", causal=is_decoder,
+    "bert_era_encoder", attention="eager", causal=is_decoder,
     notes="scores + mask in their own attention code; RoFormer's rotary table is built from the row's shape",
 ))
 ENCODERS = register_adapter(MixerAdapter(
-    "encoder", ("IBertEncoder", "MPNetEncoder", "NystromformerEncoder", "TapasEncoder",
-                "ConvBertEncoder", "SqueezeBertEncoder", "FNetEncoder"),
-    attention="eager", causal=False,
+    "encoder", attention="eager", causal=False,
     notes="scores + mask in their own attention code; MPNet's relative-position bias is built from the row's "
           "shape; Nyströmformer's landmarks pool the sequence; ConvBERT's span convolutions and FNet's Fourier "
           "transform run along it; SqueezeBERT's grouped convolutions have kernel size 1 (per token: not mixers, "
           "but covered with its encoder)",
 ))
 LUKE_ENCODER = register_adapter(MixerAdapter(
-    "luke_encoder", ("LukeEncoder",), hidden_arg="word_hidden_states", attention="eager", causal=False,
+    "luke_encoder", hidden_arg="word_hidden_states", attention="eager", causal=False,
     notes="words only: entity hidden states attend with every word of the row and are refused with a packed row",
 ))
 LAYOUTLM_ATTENTION = register_adapter(MixerAdapter(
-    "layoutlm_attention", ("LayoutLMSelfAttention",), output_index=0, attention="sdpa", causal=False,
+    "layoutlm_attention", output_index=0, attention="sdpa", causal=False,
     notes="its model builds the additive padding mask itself, outside transformers' mask interface",
 ))
 # ------------------------------------------------------------------ encoders given the 2-D padding mask
 PADDING_MASK_ENCODERS = register_adapter(MixerAdapter(
-    "padding_mask_encoder", ("DebertaEncoder", "DebertaV2Encoder", "YosoEncoder", "MraEncoder"),
-    token_args=("attention_mask",), attention="eager", causal=False,
+    "padding_mask_encoder", token_args=("attention_mask",), attention="eager", causal=False,
     notes="DeBERTa's relative attention over positions built from the row's shape; YOSO's hashed attention; "
           "MRA's block-wise attention; each takes the [B, T] padding mask, which it gets per sample",
 ))
-
-# ------------------------------------------------------------------ refused: no exact per-sample path (raised at load)
-register_refusal("BigBirdBlockSparseAttention", (
-    "BigBird's block-sparse attention pads the row to its block size and attends random blocks of the "
-    "whole row; load the model with attention_type='original_full'"))
-register_refusal("FunnelEncoder", (
-    "Funnel pools neighbouring tokens of the row into fewer, so outputs are not per token"))
-register_refusal("PerceiverEncoder", (
-    "Perceiver's latents cross-attend to the whole row, so outputs are per latent, not per token"))
-register_refusal("LongformerSelfAttention", (
-    "Longformer pads the row to a multiple of its attention window and gives global tokens attention "
-    "over the whole row"))

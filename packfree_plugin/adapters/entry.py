@@ -1,10 +1,10 @@
-"""The entry of one family of layers that packfree runs per family (:class:`MixerAdapter`), the table of them by layer
-class (:data:`REGISTRY`, filled by :mod:`.families` and :mod:`.encoders`), and the dense masks their per-sample runs
-build."""
+"""How packfree runs one family of layers (:class:`MixerAdapter`), the families by name (:data:`ADAPTERS`, filled by
+:mod:`.families` and :mod:`.encoders`; a class names its family in its entry, :data:`packfree_plugin.classes.CLASSES`),
+and the dense masks their per-sample runs build."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
+from ..classes import entry_of
 
-__all__ = ["MixerAdapter", "NativeRun", "PerSample", "REGISTRY", "ROUTED_FUNCTIONS", "adapter_for", "additive_mask", "dense_causal_mask",
-           "positions_per_sample", "register_adapter", "register_by_class_name", "register_refusal"]
+__all__ = ["ADAPTERS", "MixerAdapter", "NativeRun", "PerSample", "adapter_for", "additive_mask", "dense_causal_mask",
+           "positions_per_sample", "register_adapter"]
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(layer, original_forward, boundaries, bound_arguments) -> output``."""
@@ -26,9 +27,9 @@ needs beyond ``call`` (the arguments it is about to get, per-token ones already 
 
 @dataclass(frozen=True)
 class MixerAdapter:
-    """How packed boundaries reach one family of sequence-mixing layers.
+    """How packed boundaries reach one family of sequence-mixing layers (the classes whose entry names ``family``).
 
-    ``class_names``: transformers layer classes covered. ``native``: a boundary-aware implementation
+    ``native``: a boundary-aware implementation
     (None: the generic unpack-run-repack tier). ``hidden_arg``: the forward's input argument.
     ``token_args``: further per-token arguments (``[B, T, ...]`` tensors or tuples/dicts of them, e.g.
     ``input_ids`` or the ``(cos, sin)`` position embeddings) unpacked together with ``hidden_arg``.
@@ -38,16 +39,8 @@ class MixerAdapter:
     ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch (:data:`PerSample`).
     ``per_sample_output``: ``(layer, output) -> output``, applied to each group's output before its per-token
     entries go back into packed order (which needs them of one width in every group).
-    ``class_names`` may qualify a class by its modeling module (``"openai.Attention"`` for
-    ``transformers.models.openai.modeling_openai.Attention``) where the bare name is shared by other models.
-
-    ``refused``: why packfree cannot run these classes exactly on packed rows (loading a model that holds one with
-    packfree raises it, :func:`.mixers.check_coverage`); such an entry runs nothing.
-
-    ``routes``: for a native tier that runs the layer's own forward with its kernel calls routed to packfree's ops
-    (:func:`.routes.native_forward`), the kernel functions it calls and where they live: modeling module (under
-    ``transformers.models``) -> {module-level function: the kernel it implements, a key of
-    :data:`.routes.ROUTED_KERNELS`}.
+    A native tier that runs the layer's own forward with its kernel calls routed to packfree's ops
+    (:func:`.routes.native_forward`) finds the kernel functions it calls in each class's entry (``routes``).
 
     ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
     passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
@@ -63,7 +56,6 @@ class MixerAdapter:
     """
 
     family: str
-    class_names: tuple[str, ...]
     native: NativeRun | None = None
     hidden_arg: str = "hidden_states"
     token_args: tuple[str, ...] = ()
@@ -72,8 +64,6 @@ class MixerAdapter:
     per_sample_output: Callable[[nn.Module, Any], Any] | None = None
     attention: str | None = None
     causal: bool | Callable[[nn.Module], bool] = True
-    refused: str = ""
-    routes: Mapping[str, Mapping[str, str]] = field(default_factory=dict, compare=False)
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -82,47 +72,25 @@ class MixerAdapter:
 
     @property
     def tier(self) -> str:
-        if self.refused:
-            return "refused"
         return "native" if self.native is not None else "generic"
 
 
-REGISTRY: dict[str, MixerAdapter] = {}
-"""Layer class name -> adapter."""
-ROUTED_FUNCTIONS: dict[str, Mapping[str, str]] = {}
-"""Modeling module -> {function: kernel}: every transformers function packfree routes, the adapters' ``routes``
-gathered as they register."""
-
-
-def register_by_class_name(table: dict[str, Any], adapter: Any) -> Any:
-    """Enter ``adapter`` in ``table`` under each of its ``class_names``; a name another adapter holds raises."""
-    for name in adapter.class_names:
-        if name in table and table[name] != adapter:
-            raise ValueError(f"{name} already has an adapter ({table[name].family})")
-        table[name] = adapter
-    return adapter
+ADAPTERS: dict[str, MixerAdapter] = {}
+"""Family name -> adapter."""
 
 
 def register_adapter(adapter: MixerAdapter) -> MixerAdapter:
-    """Enter ``adapter`` in :data:`REGISTRY` by its classes and its ``routes`` in :data:`ROUTED_FUNCTIONS`."""
-    for module, functions in adapter.routes.items():
-        if ROUTED_FUNCTIONS.get(module, functions) != functions:
-            raise ValueError(f"{module} already routes other functions ({dict(ROUTED_FUNCTIONS[module])})")
-    register_by_class_name(REGISTRY, adapter)
-    ROUTED_FUNCTIONS.update(adapter.routes)
+    """Enter ``adapter`` in :data:`ADAPTERS` by its family; a family named twice raises."""
+    if ADAPTERS.get(adapter.family, adapter) != adapter:
+        raise ValueError(f"{adapter.family} already has an adapter")
+    ADAPTERS[adapter.family] = adapter
     return adapter
 
 
-def register_refusal(class_name: str, reason: str) -> MixerAdapter:
-    """Enter layer class ``class_name`` as one packfree refuses at load, saying ``reason``."""
-    return register_adapter(MixerAdapter(f"refused_{class_name}", (class_name,), refused=reason))
-
-
 def adapter_for(cls: type) -> MixerAdapter | None:
-    """The adapter covering layer class ``cls``: by its module-qualified name (``"openai.Attention"``), else its name."""
-    family = cls.__module__.rsplit(".", 2)[-2] if cls.__module__.startswith("transformers.models.") else None
-    qualified = REGISTRY.get(f"{family}.{cls.__name__}") if family is not None else None
-    return qualified if qualified is not None else REGISTRY.get(cls.__name__)
+    """The adapter that runs layers of class ``cls`` (None: its entry names no family)."""
+    family = entry_of(cls).mixer
+    return ADAPTERS[family] if family is not None else None
 
 
 def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:

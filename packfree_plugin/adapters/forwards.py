@@ -1,9 +1,9 @@
 """Native forwards for mixer families whose transformers code calls no kernel function packfree could route.
 
 MiniMax's lightning attention and RecurrentGemma's RG-LRU block compute their recurrences inline, so the
-native tier cannot reach them through :data:`.entry.ROUTED_FUNCTIONS`. Each forward here is the layer's own
-forward with its projections and gates computed by the layer's modules and parameters, and only its
-sequence mixing replaced by packfree's boundary-aware ops (:mod:`packfree_plugin.ops.linear_attention`,
+native tier cannot reach them through an entry's ``routes`` (:data:`packfree_plugin.classes.CLASSES`). Each forward
+here is the layer's own forward with its projections and gates computed by the layer's modules and parameters, and
+only its sequence mixing replaced by packfree's boundary-aware ops (:mod:`packfree_plugin.ops.linear_attention`,
 :mod:`packfree_plugin.ops.lru`, :mod:`packfree_plugin.ops.conv`) on the packed rows: one batched call instead
 of the generic tier's per-sample runs. ``tests/models/test_hybrids.py`` checks each against stock
 transformers on every sample alone.

@@ -1,8 +1,8 @@
 """How sequence mixers (layers that carry information along the sequence outside attention) run on a packed batch.
 
-The registry is elsewhere: one :class:`~.entry.MixerAdapter` per family (:data:`.entry.REGISTRY`, filled by
-:mod:`.families` and :mod:`.encoders`) names the transformers layer classes it covers and how packed boundaries reach
-them. :func:`wrap_mixers` gives every covered layer of a model an instance-level forward
+What runs a class is elsewhere: its entry (:data:`packfree_plugin.classes.CLASSES`) names its family, and one
+:class:`~.entry.MixerAdapter` per family (:data:`.entry.ADAPTERS`, filled by :mod:`.families` and :mod:`.encoders`)
+says how packed boundaries reach it. :func:`wrap_mixers` gives every covered layer of a model an instance-level forward
 that, while a packed batch is in flight, runs the adapter; otherwise the layer's own forward runs
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
@@ -11,7 +11,7 @@ Where does a layer get its boundaries? From :func:`packfree_plugin.context.bound
 the ``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
 models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
 (and around the recomputation of gradient checkpointing), provided they describe those rows. Native adapters
-hand them to packfree's ops (:mod:`.routes`, through the kernel functions their entry's ``routes`` name); the
+hand them to packfree's ops (:mod:`.routes`, through the kernel functions their class's entry's ``routes`` name); the
 generic tier reads the host offsets.
 """
 
@@ -27,11 +27,12 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
+from ..classes import entry_of
 from ..context import boundaries_here
 from ..keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..ops._nonfinite import Quarantine
 from ..signature import ForwardParameters
-from . import encoders, families
+from . import encoders, families  # noqa: F401 - they fill the adapters by family
 from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters, uninstall
@@ -247,7 +248,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
     wrapped = []
     for path, module in model.named_modules():
         adapter = adapter_for(type(module))
-        if adapter is None or adapter.refused:
+        if adapter is None:
             continue
         install(module, _mixer_forward)
         if adapter.native is not None:
@@ -293,20 +294,20 @@ def _takes_no_tokens(module: nn.Module) -> bool:
 
 
 def check_coverage(model: nn.Module) -> None:
-    """Raise if ``model`` holds a layer that looks like a sequence mixer and no adapter covers it, or a layer
-    packfree knows it cannot run exactly (an entry's ``refused``)."""
+    """Raise if ``model`` holds a layer that looks like a sequence mixer and no entry covers it, or a layer
+    packfree knows it cannot run exactly (an entry refused at load)."""
     covered: set[str] = set()
     unknown: set[str] = set()
     for path, module in model.named_modules():
         if any(not prefix or path == prefix or path.startswith(prefix + ".") for prefix in covered):
             continue
-        name = type(module).__name__
-        if adapter_for(type(module)) is not None or _takes_no_tokens(module):
+        entry = entry_of(type(module))
+        if entry.mixer is not None or entry.refused_at_load or _takes_no_tokens(module):
             covered.add(path)
-        elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
-            unknown.add(name)
-    entries = {type(module).__name__: adapter_for(type(module)) for module in model.modules()}  # towers' too
-    refused = {name: entry.refused for name, entry in entries.items() if entry is not None and entry.refused}
+        elif not entry.mixes_nothing and _looks_like_a_mixer(module):
+            unknown.add(type(module).__name__)
+    entries = {type(module).__name__: entry_of(type(module)) for module in model.modules()}  # towers' too
+    refused = {name: entry.refused.reason for name, entry in entries.items() if entry.refused_at_load}
     if refused:
         raise ValueError(
             "packfree cannot run these layers exactly on packed rows: "
@@ -317,7 +318,7 @@ def check_coverage(model: nn.Module) -> None:
         raise ValueError(
             f"packfree has no boundary adapter for {', '.join(sorted(unknown))}: these layers carry information "
             "along the sequence and would mix packed samples. " + _shadowed_class_note(model)
-            + "Register a MixerAdapter for them (packfree_plugin.adapters.entry) or load the model without packfree"
+            + "Give them an entry naming their family (packfree_plugin.classes) or load the model without packfree"
         )
 
 

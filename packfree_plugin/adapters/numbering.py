@@ -9,7 +9,7 @@ its checkpoint was trained with. :func:`check_callers_ids` says so, once per mod
 that number from 0 and for ids that already start where the model starts.
 
 Which modules number this way, and by which rule, is their class's ``numbering`` quirk
-(:data:`packfree_plugin.model_quirks.QUIRKS`); this module reads the start off each module
+(:data:`packfree_plugin.classes.CLASSES`); this module reads the start off each module
 (its ``padding_idx``, its buffer) and depends on nothing of packfree but the boundaries.
 """
 

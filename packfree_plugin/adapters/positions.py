@@ -3,7 +3,7 @@ slice of the caller's ``position_ids``, where the caller passes them).
 
 Most models read their positions from ``position_ids``, which packfree's boundaries restart in every sample.
 Some compute positions themselves, and on a packed row they would number the whole row as one sequence. A
-``numbering`` quirk of the embedding module's class (:data:`packfree_plugin.model_quirks.QUIRKS`) makes each such
+``numbering`` quirk of the embedding module's class (:data:`packfree_plugin.classes.CLASSES`) makes each such
 module number every sample on its own while a packed row is in flight (:func:`packfree_plugin.context.boundaries_here`
 with ``packed=True`` returns boundaries with more than one sample in some row). With one sample per row (unpacked, padded,
 ``generate()``, decoding) the module's own forward runs untouched. The numbering rules:
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from ..boundaries import Boundaries
+from ..classes import entry_of
 from ..context import boundaries_here
-from ..model_quirks import quirk_of
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters, uninstall
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
@@ -180,7 +180,7 @@ def _position_forward(module: nn.Module, *args, **kwargs):
         # one sample per row (the module numbers it as stock does), or not this forward's packed row (a nested
         # model's own inputs)
         return forward(*args, **kwargs)
-    numbering = quirk_of(type(module).__name__).numbering
+    numbering = entry_of(type(module)).numbering
     extra = arguments.pop(parameters.var_keyword, {}) if parameters.var_keyword else {}
     return _number(numbering, module, functools.partial(forward, **extra), boundaries, arguments)
 
@@ -197,7 +197,7 @@ def _number(numbering: str, module: nn.Module, forward: Callable, boundaries: Bo
 def install_numbering(module: nn.Module, model: nn.Module, path: str) -> None:
     """Give ``module`` (an embedding with a ``numbering`` quirk, at ``path`` in ``model``) its per-sample numbering
     (idempotent). An unknown rule raises ``ValueError``."""
-    rule = quirk_of(type(module).__name__).numbering
+    rule = entry_of(type(module)).numbering
     if rule not in RULES:
         raise ValueError(f"{type(module).__name__}: numbering quirk {rule!r} is none of {sorted(RULES)}")
     install(module, _position_forward, tag=_TAG)
@@ -213,7 +213,7 @@ def numbering_of(model: nn.Module) -> Numbering:
     with a ``numbering`` quirk that does not start at 0 starts (RoBERTa: ``padding_idx + 1``), else from 0 where
     the model takes ``position_ids``, else not by ids."""
     for path, module in model.named_modules():
-        rule = quirk_of(type(module).__name__).numbering
+        rule = entry_of(type(module)).numbering
         if rule is not None:
             numbering = lone_sample_numbering(module, rule, path)
             if numbering.start:

@@ -2,8 +2,8 @@
 
 transformers builds its Mamba, Mamba2, Gated DeltaNet, KDA and short-conv layers around a fixed set of
 module-level kernel functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). Each family's entry
-(:mod:`.families`, ``routes``) names them per modeling module, and :func:`install_routes` gives each packfree's
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``, ...). Each mixer class's entry
+(:data:`packfree_plugin.classes.CLASSES`, ``routes``) names them and its modeling module, and :func:`install_routes` gives each packfree's
 route: through ``kernels.kernelize`` and a kernel mapping where transformers declares the function as a kernel seam
 (a ``kernels`` layer, :func:`packfree_plugin.compat.kernel_seam`), else by wrapping the module function in a
 router. Outside a packfree native call the route is transparent (it calls the original). Inside one
@@ -34,10 +34,10 @@ from torch import nn
 
 from .. import backends, compat, opaque
 from ..boundaries import Boundaries
+from ..classes import routed_functions
 from ..context import NativeCall, enter_native, exit_native, native_call
 from ..keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..opaque import boundary_function
-from .entry import ROUTED_FUNCTIONS
 
 __all__ = ["OPTIONAL_KERNELS", "PackfreeRoutes", "ROUTED_KERNELS", "install_routes", "is_routed", "may_reach_kernels",
            "native_forward", "uninstall_routes"]
@@ -229,7 +229,7 @@ def may_reach_kernels(layer: nn.Module, probe: torch.Tensor) -> bool:
     quarantines its input only when this holds. False off CUDA: no device sync, no import."""
     if not backends.on_cuda(probe):
         return False
-    routed = ROUTED_FUNCTIONS.get(type(layer).__module__.removeprefix(_PREFIX), {}).values()
+    routed = routed_functions().get(type(layer).__module__.removeprefix(_PREFIX), {}).values()
     packages = _kernel_packages()
     return any(backends.load_kernel(*packages[kernel]) is not None for kernel in routed if kernel in packages)
 
@@ -263,13 +263,14 @@ _ABSENT = object()
 
 
 def install_routes(module: ModuleType) -> list[str]:
-    """Route every function :data:`ROUTED_FUNCTIONS` lists for ``module`` (idempotent); returns their kernel names.
+    """Route every function the class entries' ``routes`` list for ``module`` (idempotent); returns their kernel
+    names.
 
     Where transformers declares the function as a kernel function (``use_kernel_func_from_hub_with_fallback``, a
     ``kernels`` layer: :func:`packfree_plugin.compat.kernel_seam`), ``kernels.kernelize`` gives it packfree's route
     (:class:`PackfreeRoutes`); on a release without that seam, the module function is wrapped in a router. Raises
     ``ValueError`` when a function that mixes tokens is missing (a transformers release packfree does not know)."""
-    functions = ROUTED_FUNCTIONS.get(module.__name__.removeprefix(_PREFIX), {})
+    functions = routed_functions().get(module.__name__.removeprefix(_PREFIX), {})
     installed = []
     for function, kernel in functions.items():
         current = getattr(module, function, None)
@@ -348,11 +349,11 @@ def is_routed(module: ModuleType, function: str) -> bool:
 
 def uninstall_routes() -> None:
     """Restore every routed function in every loaded modeling module."""
-    for name in ROUTED_FUNCTIONS:
+    for name, functions in routed_functions().items():
         module = sys.modules.get(_PREFIX + name)
         if module is None:
             continue
-        for function in ROUTED_FUNCTIONS[name]:
+        for function in functions:
             current = getattr(module, function, None)
             if current is not None and hasattr(current, _ROUTED_ATTR):
                 setattr(module, function, getattr(current, _ROUTED_ATTR))

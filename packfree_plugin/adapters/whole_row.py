@@ -1,7 +1,7 @@
 """Layers that compute over the whole packed row by code of their own.
 
-Some cannot be cut into samples (LongT5's local and transient-global attention, a
-:attr:`~packfree_plugin.model_quirks.Quirk.refused` quirk): a packed row raises ``ValueError`` with the reason, one
+Some cannot be cut into samples (LongT5's local and transient-global attention, refused on a packed row:
+:attr:`~packfree_plugin.classes.ClassEntry.refused`): a packed row raises ``ValueError`` with the reason, one
 sample per row runs them untouched. T5's relative position bias (a ``relative_position_bias`` quirk) is computed for
 the whole row's ``[T, T]`` by stock; on a packed row the layer that owns it computes the longest sample's instead,
 whose top-left corner is every sample's bias.
@@ -14,23 +14,34 @@ import functools
 import torch
 from torch import nn
 
+from ..classes import Refusal, entry_of
 from ..context import boundaries_here
-from ..model_quirks import quirk_of
 from .instance import install, own_forward, uninstall
 
-__all__ = ["install_refusal", "install_sample_bias", "reads_boundaries_in_layers", "uninstall_refusal",
-           "uninstall_sample_bias"]
+__all__ = ["install_refusal", "install_sample_bias", "packed_row_refusal", "reads_boundaries_in_layers",
+           "uninstall_refusal", "uninstall_sample_bias"]
 
 _TAG = "refused_"
 """Keeps these instance forwards apart from the other adapters' (:mod:`.instance`)."""
 
 
+def packed_row_refusal(module: nn.Module) -> Refusal | None:
+    """The refusal a packed row through ``module`` raises: its entry's, where it is refused on packed rows and, for a
+    refusal under a condition, the condition holds (None: it runs)."""
+    refusal = entry_of(type(module)).refused
+    if refusal is None or refusal.on != "packed_row":
+        return None
+    if refusal.when is not None and getattr(module, refusal.when[0]) != refusal.when[1]:
+        return None
+    return refusal
+
+
 def _refused_forward(module: nn.Module, *args, **kwargs):
     """A refused layer's forward: its own, unless a packed row is in flight."""
-    if boundaries_here(packed=True) is not None:
-        name = type(module).__name__
-        raise ValueError(f"packfree cannot run {name} on a packed row: {quirk_of(name).refused}. Pass one sample "
-                         "per row for this model")
+    refusal = packed_row_refusal(module) if boundaries_here(packed=True) is not None else None
+    if refusal is not None:
+        raise ValueError(f"packfree cannot run {type(module).__name__} on a packed row: {refusal.reason}. Pass one "
+                         "sample per row for this model")
     return own_forward(module, tag=_TAG)(*args, **kwargs)
 
 
@@ -54,7 +65,7 @@ def _sample_bias(module: nn.Module, query_length: int, key_length: int, device: 
 
 
 def _owns_bias(module: nn.Module) -> bool:
-    return quirk_of(type(module).__name__).relative_position_bias and getattr(module, "has_relative_attention_bias",
+    return entry_of(type(module)).relative_position_bias and getattr(module, "has_relative_attention_bias",
                                                                               False)
 
 

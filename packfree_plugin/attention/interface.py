@@ -20,9 +20,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..classes import entry_of
 from ..context import boundaries_here, in_prepared_forward, is_prepared
 from ..keywords import BOUNDARY_KWARGS
-from ..model_quirks import quirk_of
 from ..opaque import boundary_function
 from .masks import PER_SAMPLE_MASK
 from .reference import AttentionOptions, eager_attention
@@ -137,7 +137,7 @@ def _window(module: torch.nn.Module, sliding_window: int | None, *, causal: bool
     transformers' attention-kwarg ``w + 1``)."""
     if not sliding_window:
         return None
-    if not causal and quirk_of(type(module).__name__).half_width_window:
+    if not causal and entry_of(type(module)).half_width_window:
         return sliding_window + 1
     return sliding_window
 
@@ -158,7 +158,7 @@ def packfree_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention contract: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, T, H, Dv], None)``."""
     sinks = s_aux if s_aux is not None else kwargs.pop("sinks", None)
-    position_bias = kwargs.pop("position_bias", None) if quirk_of(type(module).__name__).relative_position_bias else None
+    position_bias = kwargs.pop("position_bias", None) if entry_of(type(module)).relative_position_bias else None
     unknown = sorted(name for name, value in kwargs.items()
                      if isinstance(value, torch.Tensor) and name not in _INERT_TENSOR_KWARGS)
     if unknown:

@@ -16,8 +16,8 @@ import torch
 from transformers.masking_utils import and_masks, sdpa_mask
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..classes import inherited_entry, switched_on
 from ..context import boundaries_here
-from ..model_quirks import config_quirk, switched_on
 from ..unpacked import slices_its_mask
 
 __all__ = ["PER_SAMPLE_MASK", "packfree_attention_mask"]
@@ -102,7 +102,7 @@ def _wants_tensor_mask(config: object) -> bool:
     quirk: MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would crash. It then
     gets the dense mask of the packed samples (transformers' eager form, O(T^2) as on stock); its attention layers run
     per sample (:mod:`..adapters.families`) and build their own."""
-    return switched_on(config_quirk(config).tensor_mask, config)
+    return switched_on(inherited_entry(config).tensor_mask, config)
 
 
 def _packed_dense_mask(boundaries: Boundaries, mask_function: Callable | None, dtype: torch.dtype) -> torch.Tensor:

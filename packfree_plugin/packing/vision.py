@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model_quirks import config_quirk
+from ..classes import inherited_entry
 from ..rope_ids import uses_mrope
 from .rows import PackedCollator, pack_best_fit_decreasing
 
@@ -93,7 +93,7 @@ class VisionPackedCollator:
             rope_index = owner.get_rope_index
         self.rope_index = rope_index
         if images_per_row is None:
-            images_per_row = config_quirk(config).images_per_row
+            images_per_row = inherited_entry(config).images_per_row
         self.images_per_row = images_per_row
         self.pad_token_id = int(pad_token_id)
         self._text = PackedCollator(rows_per_batch, max_tokens, pad_token_id, label_pad, return_seq_idx=False,

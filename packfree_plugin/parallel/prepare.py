@@ -20,11 +20,11 @@ from ..adapters.entry import adapter_for
 from ..adapters.forwards import lightning_forward, rg_lru_forward
 from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
+from ..classes import entry_of
 from ..context import boundaries_here
 from ..keywords import PACKING_KWARGS
 from ..batch_reading import check_labels
 from ..model_entry import add_step, apply_model_hook, leave_targets_to_a_step
-from ..model_quirks import quirk_of
 from ..signature import class_forward_parameters, without_cache
 from .heads import sequence_parallel_call
 from .shard import SequenceShard
@@ -117,7 +117,7 @@ def check_splittable(model: nn.Module) -> None:
                 "mixers (Gated DeltaNet, KDA, Mamba2, Mamba, short convs, lightning attention, RG-LRU). Use data "
                 "parallelism (DDP/FSDP, one packed row per rank) for this model"
             )
-        if quirk_of(kind).numbering is not None:
+        if entry_of(type(module)).numbering is not None:
             raise ValueError(
                 f"{path} ({kind}) numbers positions per sample itself, which a shard cannot do for a sample that "
                 "starts on another rank. Use data parallelism (DDP/FSDP, one packed row per rank) for this model"

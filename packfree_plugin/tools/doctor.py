@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..adapters.entry import MixerAdapter, adapter_for
+from ..adapters.entry import adapter_for
+from ..classes import entry_of
 
 __all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "parallel_layout", "plan", "position_numbering", "render",
            "sequence_parallel_support"]
@@ -85,18 +86,11 @@ def _attention_backend(module: nn.Module, config, device: torch.device, dtype: t
     return choose_backend(query, value, options, training=True)
 
 
-def _running_adapter(cls: type) -> MixerAdapter | None:
-    """The adapter that runs layers of class ``cls`` (None: none does; a refused class is refused at load)."""
-    adapter = adapter_for(cls)
-    return adapter if adapter is not None and not adapter.refused else None
-
-
 def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = None) -> list[LayerPlan]:
     """Per sequence-mixing layer of ``target`` (model directory or model type): backend and boundary safety.
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from ..adapters import families
     from ..adapters.mixers import _looks_like_a_mixer
     from ..tiny import auto_class, load_config
 
@@ -111,7 +105,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
         if any(path.startswith(prefix + ".") for prefix in inside):
             continue
         name = type(module).__name__
-        adapter = _running_adapter(type(module))
+        adapter = adapter_for(type(module))
         if adapter is not None:
             inside.append(path)
             attention = getattr(adapter, "attention", None)
@@ -120,11 +114,11 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
             plans.append(LayerPlan(path, name, "attention" if attention else "mixer", backend, True, compiled=compiled))
         elif _is_attention(module):
             # an attention layer holding an adapted mixer (e.g. ZAYA's conv projection) lists that mixer too
-            if not any(_running_adapter(type(child)) is not None for child in module.modules()):
+            if not any(adapter_for(type(child)) is not None for child in module.modules()):
                 inside.append(path)
             backend = _attention_backend(module, model.config, run_device, run_dtype)
             plans.append(LayerPlan(path, name, "attention", backend, True))
-        elif name not in families.NOT_MIXERS and _looks_like_a_mixer(module):
+        elif not entry_of(type(module)).mixes_nothing and _looks_like_a_mixer(module):
             inside.append(path)
             plans.append(LayerPlan(path, name, "mixer", "none", False,
                                    "no adapter: packfree refuses to load this model", compiled="-"))
@@ -207,14 +201,13 @@ def position_numbering(target: str) -> str:
     (:meth:`packfree_plugin.adapters.numbering.Numbering.describe`). Built on the meta device; a position buffer,
     which has no values there, is made again on the CPU by the model's own initialisation."""
     from ..adapters.positions import numbering_of
-    from ..model_quirks import quirk_of
     from ..tiny import auto_class, load_config
 
     config = load_config(target)
     with torch.device("meta"):
         model = auto_class(config).from_config(config, attn_implementation="eager")
     for module in model.modules():
-        if quirk_of(type(module).__name__).numbering == "position_buffer" and module.position_ids.is_meta:
+        if entry_of(type(module)).numbering == "position_buffer" and module.position_ids.is_meta:
             module.to_empty(device="cpu", recurse=False)
             model._init_weights(module)
     return numbering_of(model).describe()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the registry
-from packfree_plugin.adapters.entry import ROUTED_FUNCTIONS
+from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters
 from packfree_plugin.adapters.routes import OPTIONAL_KERNELS, ROUTED_KERNELS
+from packfree_plugin.classes import CLASSES, routed_functions
 
 MODELS = Path(transformers.__file__).parent / "models"
 
@@ -27,14 +27,16 @@ NEWER_THAN_OLDEST_RELEASE = {
 }
 ABSENT_HERE = {folder for folder in NEWER_THAN_OLDEST_RELEASE if not (MODELS / folder).is_dir()}
 """Model folders this (older) release lacks: their classes and routed functions are not expected here."""
+ADAPTED = {name for name, class_entry in CLASSES.items() if class_entry.mixer is not None or class_entry.refused_at_load}
+"""The layer classes packfree runs by a family of its own or refuses at load."""
 
 
 def _defining_modules() -> dict[str, str]:
-    """Layer class name -> the modeling module that defines it, for every class the registry names (a name qualified
+    """Layer class name -> the modeling module that defines it, for every class of :data:`ADAPTED` (a name qualified
     by its model folder, ``"openai.Attention"``, only in that folder's modeling module)."""
-    wanted = {name for name in entry.REGISTRY if "." not in name}
+    wanted = {name for name in ADAPTED if "." not in name}
     found: dict[str, str] = {}
-    for qualified in set(entry.REGISTRY) - wanted:
+    for qualified in ADAPTED - wanted:
         folder, name = qualified.split(".")
         for path in (MODELS / folder).glob("modeling_*.py"):
             if re.search(rf"^class {name}\(", path.read_text(encoding="utf-8"), re.MULTILINE):
@@ -49,31 +51,39 @@ def _defining_modules() -> dict[str, str]:
 def test_every_adapted_layer_class_exists() -> None:
     defined = _defining_modules()
     absent = {name for folder in ABSENT_HERE for name in NEWER_THAN_OLDEST_RELEASE[folder]}
-    missing = sorted(set(entry.REGISTRY) - set(defined) - absent)
+    missing = sorted(ADAPTED - set(defined) - absent)
     assert not missing, f"layer classes packfree adapts but transformers {transformers.__version__} lacks: {missing}"
     for name, module in defined.items():
         cls = getattr(importlib.import_module(module), name.split(".")[-1], None)
         assert isinstance(cls, type), f"{module}.{name}"
 
 
-@pytest.mark.parametrize("module_name", sorted(m for m in ROUTED_FUNCTIONS if m.split(".")[0] not in ABSENT_HERE))
+@pytest.mark.parametrize("module_name", sorted(m for m in routed_functions() if m.split(".")[0] not in ABSENT_HERE))
 def test_every_routed_function_exists(module_name: str) -> None:
     module = importlib.import_module(f"transformers.models.{module_name}")
-    for function, kernel in ROUTED_FUNCTIONS[module_name].items():
+    for function, kernel in routed_functions()[module_name].items():
         assert kernel in ROUTED_KERNELS, f"{function} maps to {kernel}, which packfree has no route for"
         if kernel not in OPTIONAL_KERNELS:  # fused and decoding kernels may go (5.25 dropped Mamba1's fused one)
             assert callable(getattr(module, function, None)), f"{module_name}.{function} is gone"
 
 
-def test_every_native_adapter_routes_the_module_of_each_of_its_classes() -> None:
-    """A routed family whose entry misses the modeling module of one of its classes would route nothing there and be
-    refused at every packed call; catch that here."""
+def test_every_class_of_a_native_family_routes_its_own_modeling_module() -> None:
+    """A class of a routed family whose entry names another modeling module (or none) would route nothing where it
+    lives and be refused at every packed call; catch that here."""
     from packfree_plugin.adapters.routes import native_forward
 
     defined = _defining_modules()
-    for name, adapter in entry.REGISTRY.items():
-        if adapter.native is native_forward and name in defined:
-            assert defined[name].removeprefix("transformers.models.") in adapter.routes, name
+    for name in defined:
+        class_entry = CLASSES[name]
+        if class_entry.mixer is not None and entry.ADAPTERS[class_entry.mixer].native is native_forward:
+            assert class_entry.routes is not None, name
+            assert class_entry.routes.module == defined[name].removeprefix("transformers.models."), name
+
+
+def test_every_family_an_entry_names_exists() -> None:
+    named = {class_entry.mixer for class_entry in CLASSES.values() if class_entry.mixer is not None}
+    assert named <= entry.ADAPTERS.keys(), sorted(named - entry.ADAPTERS.keys())
+    assert set(entry.ADAPTERS) <= named, sorted(set(entry.ADAPTERS) - named)
 
 
 def test_a_missing_routed_function_is_refused(monkeypatch) -> None:

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import packfree_plugin
-from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the registry first
+from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters first
+from packfree_plugin.classes import CLASSES
 from packfree_plugin.adapters.routes import native_forward
 from tests.adapters.test_generic import TINY_HYBRIDS
 from tests.conftest import assert_close
@@ -25,9 +26,9 @@ NATIVE_CASES = {  # model type: (mixer class, tiny config)
 def _model(model_type: str, monkeypatch, *, native: bool):
     packfree_plugin.register()
     mixer, config = NATIVE_CASES[model_type]
-    base = entry.REGISTRY.get(mixer) or entry.MixerAdapter(model_type, (mixer,))
-    adapter = dataclasses.replace(base, native=native_forward if native else None)
-    monkeypatch.setitem(entry.REGISTRY, mixer, adapter)
+    family = CLASSES[mixer].mixer
+    adapter = dataclasses.replace(entry.ADAPTERS[family], native=native_forward if native else None)
+    monkeypatch.setitem(entry.ADAPTERS, family, adapter)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), attn_implementation="packfree",
                                             dtype=torch.float64, experts_implementation="eager")

@@ -49,11 +49,11 @@ def test_doctor_says_which_layers_run_outside_the_compiled_graph(capsys) -> None
 def test_doctor_flags_a_model_dir_with_an_unknown_mixer(tmp_path, capsys, monkeypatch) -> None:
     from transformers import AutoConfig
 
-    from packfree_plugin.adapters import entry
+    from packfree_plugin import classes
 
     AutoConfig.for_model("mamba2", hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, vocab_size=64,
                          n_groups=1).save_pretrained(tmp_path)
-    monkeypatch.setattr(entry, "REGISTRY", {k: v for k, v in entry.REGISTRY.items() if k != "Mamba2Mixer"})
+    monkeypatch.delitem(classes.CLASSES, "Mamba2Mixer")
     assert main(["doctor", str(tmp_path)]) == 1
     assert "NO (no adapter" in capsys.readouterr().out
 

@@ -39,13 +39,13 @@ def newest_record(monkeypatch) -> None:
 
 @pytest.fixture
 def roberta_without_positions(monkeypatch) -> None:
-    """RoBERTa as packfree ran it before its numbering quirk (``model_quirks.py``, ``adapters/positions.py``): packed 0-based
+    """RoBERTa as packfree ran it before its numbering quirk (``classes.py``, ``adapters/positions.py``): packed 0-based
     ``position_ids`` shift its positions (numbered from ``padding_idx + 1``), so it is wrong although no sample
     leaks into another: the gate's example of such a model. Not verified, with a fresh verdict cache."""
-    from packfree_plugin.model_quirks import QUIRKS
+    from packfree_plugin.classes import CLASSES
     from packfree_plugin.gate import admission
 
-    monkeypatch.delitem(QUIRKS, "RobertaEmbeddings")
+    monkeypatch.delitem(CLASSES, "RobertaEmbeddings")
     monkeypatch.setattr(admission, "_verdicts", {})
     monkeypatch.setattr(admission, "is_verified", lambda model: False)
 

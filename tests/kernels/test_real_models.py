@@ -36,9 +36,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import packfree_plugin
 from packfree_plugin import backends
-from packfree_plugin.adapters.entry import ROUTED_FUNCTIONS
-from packfree_plugin.adapters.families import GATED_DELTA, KIMI_DELTA, MAMBA2
 from packfree_plugin.catalogue import CATALOGUE
+from packfree_plugin.classes import CLASSES, routed_functions
 from packfree_plugin.gate.admission import bypassed
 from packfree_plugin.packing import PackedCollator, pack_best_fit_decreasing
 
@@ -82,7 +81,7 @@ FAMILIES: dict[str, Family] = {
                     1e-4, (1, 17, 6)),
 }
 GRAD_FLOOR = 1e-3
-MIXERS = {*GATED_DELTA.class_names, *KIMI_DELTA.class_names, *MAMBA2.class_names}
+MIXERS = {name for name, entry in CLASSES.items() if entry.mixer in ("gated_delta", "kimi_delta", "mamba2")}
 
 
 # ------------------------------------------------------------------------------------------------ the runs
@@ -211,7 +210,7 @@ def stock_torch_path(model: PreTrainedModel) -> Iterator[None]:
     module = sys.modules[type(model).__module__]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(backends, "on_cuda", lambda tensor: False)
-        for function in ROUTED_FUNCTIONS[module.__name__.removeprefix("transformers.models.")]:
+        for function in routed_functions()[module.__name__.removeprefix("transformers.models.")]:
             if hasattr(module, function):  # fused kernels may be absent (transformers 5.25's FalconMamba and Jamba)
                 patch.setattr(module, function, torch_implementation(getattr(module, function)))
         backends.load_kernel.cache_clear()

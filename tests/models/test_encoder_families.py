@@ -290,17 +290,15 @@ def test_the_tables_name_installed_classes() -> None:
     half-width table exists where its model does, is bidirectional and passes ``config.sliding_window`` itself."""
     import importlib
 
-    from packfree_plugin.adapters import mixers  # noqa: F401 - mixers fills the registry
-    from packfree_plugin.adapters.entry import REGISTRY
-    from packfree_plugin.model_quirks import classes_with
+    from packfree_plugin.classes import CLASSES, classes_with
 
-    named = {name for name, adapter in REGISTRY.items() if adapter.family in
+    named = {name for name, entry in CLASSES.items() if entry.mixer in
              {"bert_era_encoder", "encoder", "luke_encoder", "layoutlm_attention", "padding_mask_encoder"}}
     pattern = re.compile(r"^class (\w+)\(", re.MULTILINE)
     defined = {name for path in (Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")
                for name in pattern.findall(path.read_text(encoding="utf-8"))}
     refused = {"BigBirdBlockSparseAttention", "FunnelEncoder", "PerceiverEncoder", "LongformerSelfAttention"}
-    assert all(REGISTRY[name].refused for name in refused)
+    assert all(CLASSES[name].refused_at_load for name in refused)
     assert len(named) == 17 and not (named | refused) - defined
     folders = {"T5GemmaSelfAttention": "t5gemma", "MuseGlimmerAssistantAttention": "muse_glimmer_assistant"}
     assert set(folders) == classes_with("half_width_window")

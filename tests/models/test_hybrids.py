@@ -257,11 +257,11 @@ def test_packed_row_equals_alone_for_any_lengths(model_type: str, lengths: list[
 def test_a_refused_layer_class_raises_at_load_with_its_reason(monkeypatch) -> None:
     import dataclasses
 
-    from packfree_plugin.adapters.entry import REGISTRY
+    from packfree_plugin.classes import CLASSES, Refusal
 
     packfree_plugin.register()
-    monkeypatch.setitem(REGISTRY, "Lfm2ShortConv",
-                        dataclasses.replace(REGISTRY["Lfm2ShortConv"], refused="no exact packed path (test)"))
+    monkeypatch.setitem(CLASSES, "Lfm2ShortConv",
+                        dataclasses.replace(CLASSES["Lfm2ShortConv"], refused=Refusal("no exact packed path (test)")))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv \(no exact packed path \(test\)\)"):
         AutoModelForCausalLM.from_config(catalogue_config("lfm2"), attn_implementation="packfree")
 

@@ -24,7 +24,7 @@ import transformers
 
 import packfree_plugin
 from packfree_plugin import Boundaries
-from packfree_plugin.model_quirks import classes_with
+from packfree_plugin.classes import classes_with
 from tests.conftest import assert_close
 
 SAMPLES = (4, 3, 2)
@@ -76,7 +76,7 @@ def test_an_index_that_keeps_every_token_gives_the_boundaries_back() -> None:
 
 # ------------------------------------------------------------------------------------------------ the sweep
 HANDLED = {"gemma4": "Gemma4TextConfig", "gemma4_unified": "Gemma4UnifiedTextConfig"}
-"""Modeling module -> the config class whose ``slices_mask`` quirk (:data:`packfree_plugin.model_quirks.QUIRKS`) covers
+"""Modeling module -> the config class whose ``slices_mask`` quirk (:data:`packfree_plugin.classes.CLASSES`) covers
 its cut."""
 REFUSED_AT_LOAD = {"longformer": "LongformerSelfAttention", "visual_bert": "VisualBertSelfAttention"}
 """Modules whose cut the gate never lets a packfree mask reach: it refuses these models at load for their attention."""

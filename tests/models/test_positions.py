@@ -15,7 +15,7 @@ import transformers
 
 import packfree_plugin
 from packfree_plugin.adapters.quirks import apply_quirks
-from packfree_plugin.model_quirks import QUIRKS, quirk_of
+from packfree_plugin.classes import CLASSES, entry_of
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import main_output
 from packfree_plugin.gate.shrink import tiny_config_for
@@ -166,7 +166,7 @@ def test_the_adapters_make_the_difference(model_type: str, class_name: str) -> N
     assert _max_diff_from_alone(model, stock, rows, "cu_seq_lens") < _tolerance(model, implementation)
     assert apply_quirks(model)
     for module in model.modules():
-        if quirk_of(type(module).__name__).numbering is not None:
+        if entry_of(type(module)).numbering is not None:
             del module.__dict__["forward"]
         hook = module.__dict__.pop("_packfree_decoder_inputs_hook", None)
         if hook is not None:
@@ -396,7 +396,7 @@ def test_kosmos_2_5s_text_positions_from_padding_idx(monkeypatch) -> None:
         model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
     proof = prove(model, stock, stock_name=implementation)
     assert proof.exact, proof.summary()
-    monkeypatch.delitem(QUIRKS, "Kosmos2_5TextSinusoidalPositionalEmbedding")
+    monkeypatch.delitem(CLASSES, "Kosmos2_5TextSinusoidalPositionalEmbedding")
     with bypassed():
         model, stock, implementation = build_pair(transformers.Kosmos2_5ForConditionalGeneration, config)
     proof = prove(model, stock, stock_name=implementation, diagnose=False)
