@@ -132,7 +132,7 @@ def gpu(session: nox.Session) -> None:
     checks packfree against stock transformers on the same GPU; writes gpu-results/gpu.md and gpu.json.
     ``nox -s gpu -- --dry-run`` runs every check on the CPU with no CUDA call and installs nothing."""
     install = [] if "--dry-run" in session.posargs else ["--install", "--install-timeout", "60"]
-    session.run("python", "-m", "benchmarks.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})
+    session.run("python", "-m", "gpu.gpu_check", *install, *session.posargs, env={"PYTHONPATH": os.getcwd()})
 
 
 @nox.session
@@ -180,19 +180,19 @@ GPU_BUNDLE = "gpu-bundle"  # ignored (.gitignore): what the GPU machine lacks, c
 
 @nox.session
 def gpu_bundle(session: nox.Session) -> None:
-    """Fill gpu-bundle/ with everything the GPU machine's image lacks (benchmarks/gpu_bundle.py): pinned CPython 3.12
+    """Fill gpu-bundle/ with everything the GPU machine's image lacks (gpu/gpu_bundle.py): pinned CPython 3.12
     wheels, fla, mamba-ssm without its CUDA code, packfree's own wheel, run.sh; prints its size and the one call."""
     session.install(TORCH)
     session.install("setuptools", "wheel", "packaging", "ninja", TORCH)
     wheels = os.path.join(GPU_BUNDLE, "wheels")
     env = {"PYTHONPATH": os.getcwd()}
     fla = [pin for pin in KERNEL_PACKAGES if pin.startswith(("fla-core", "flash-linear-attention"))]
-    session.run("python", "-m", "benchmarks.gpu_bundle", "download", GPU_BUNDLE, *fla, env=env)
+    session.run("python", "-m", "gpu.gpu_bundle", "download", GPU_BUNDLE, *fla, env=env)
     mamba = next(pin for pin in PYTHON_ONLY if pin.startswith("mamba-ssm"))
     session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", wheels, mamba,
                 env=PYTHON_ONLY[mamba])
     session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", wheels, ".")
-    session.run("python", "-m", "benchmarks.gpu_bundle", "finish", GPU_BUNDLE, env=env)
+    session.run("python", "-m", "gpu.gpu_bundle", "finish", GPU_BUNDLE, env=env)
 
 
 @nox.session(python=["3.12"])

@@ -19,7 +19,7 @@ def run(quick: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.tools.demo import demo_config
+    from packfree_plugin.cli.demo import demo_config
 
     packfree_plugin.register()
     threads = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 MiniMax (lightning attention) and RecurrentGemma (RG-LRU) each get a packed training step (forward and
 backward, float32) of one model with the same weights and row, once with packfree's native forward
-(:mod:`packfree_plugin.adapters.forwards`) and once with the layer's adapter switched to the generic tier,
+(:mod:`packfree_plugin.adapters.native_forwards`) and once with the layer's adapter switched to the generic tier,
 which unpacks the row and runs the layer per sample. Reported: median step time of each and the ratio.
 ``python -m benchmarks.native_tiers [--quick]``; ``nox -s bench`` runs it with the others.
 """
@@ -18,7 +18,7 @@ MIXERS = {"minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentG
 
 
 def _config(model_type: str):
-    from packfree_plugin.catalogue import catalogue_config
+    from packfree_plugin.gate.catalogue import catalogue_config
 
     config = catalogue_config(model_type)
     config.hidden_size = 256
@@ -34,7 +34,7 @@ def run(quick: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters
+    from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters
     from packfree_plugin.classes import CLASSES
 
     packfree_plugin.register()
@@ -49,16 +49,16 @@ def run(quick: bool = False) -> list[dict]:
         model = AutoModelForCausalLM.from_config(_config(model_type), attn_implementation="packfree",
                                                  experts_implementation="eager").train()
         family = CLASSES[mixer].mixer
-        native = entry.ADAPTERS[family]
+        native = registry.ADAPTERS[family]
         generic = dataclasses.replace(native, native=None)
 
-        def step(adapter: entry.MixerAdapter) -> None:
-            entry.ADAPTERS[family] = adapter
+        def step(adapter: registry.MixerAdapter) -> None:
+            registry.ADAPTERS[family] = adapter
             try:
                 model.zero_grad(set_to_none=True)
                 model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
             finally:
-                entry.ADAPTERS[family] = native
+                registry.ADAPTERS[family] = native
 
         step(native)  # warm-up of both
         step(generic)

@@ -41,8 +41,8 @@ def _rows(kind: str, seed: int = 0) -> tuple[Any, Any, Any]:
     """``(input_ids, attention_mask, labels)`` of one step, ``[B, L]`` as TRL pads them."""
     import torch
 
-    from packfree_plugin.tiny import tiny_tokenizer
-    from packfree_plugin.tools.data import load_gsm8k
+    from packfree_plugin.cli.tiny import tiny_tokenizer
+    from packfree_plugin.cli.data import load_gsm8k
 
     tokenizer, rng = tiny_tokenizer(), random.Random(seed)
     records = load_gsm8k(limit=64)
@@ -75,7 +75,7 @@ def _model(implementation: str):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.cli.tiny import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config("llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512)

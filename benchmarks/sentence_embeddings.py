@@ -70,7 +70,7 @@ def _count_work(model: Any, texts: list[str]) -> dict[str, int]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    from packfree_plugin.tools.data import load_gsm8k
+    from packfree_plugin.cli.data import load_gsm8k
 
     torch.set_num_threads(1)
     texts = [record["question"] for record in load_gsm8k(limit=64 if quick else 256)]

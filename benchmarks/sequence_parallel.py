@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, shape: str, tokens: int, repeats: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from packfree_plugin.parallel import init_deepspeed, register_ulysses, shard_batch, shard_loss
-    from packfree_plugin.registration import register
+    from packfree_plugin.loading.register import register
 
     init_deepspeed("gloo")
     register()

@@ -10,7 +10,7 @@ and at a tiny width where per-call overhead shows, forward + backward in float32
 
 Boundaries sit inside chunks (no chunk per sample), so the packed row does the unsplit row's dense work.
 
-Per-forward overhead: tiny models (``packfree_plugin.tiny``), one forward of a 64-token row packed from 4 samples
+Per-forward overhead: tiny models (``packfree_plugin.cli.tiny``), one forward of a 64-token row packed from 4 samples
 under packfree against stock on one 64-token sample (``x stock``, target <= 1.2), attention-only and hybrid, in
 this thread's CPU time. Median of interleaved repeats, every ratio from one run.
 ``python -m benchmarks.short_samples [--quick]``.
@@ -131,7 +131,7 @@ def _overhead_rows(quick: bool) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.cli.tiny import tiny_config
 
     packfree_plugin.register()
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from packfree_plugin.tools.bench import markdown as _markdown
-from packfree_plugin.tools.bench import training_rows
+from packfree_plugin.cli.bench import markdown as _markdown
+from packfree_plugin.cli.bench import training_rows
 
 
 def run(quick: bool = False) -> list[dict]:

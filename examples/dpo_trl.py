@@ -44,7 +44,7 @@ def main() -> None:
     from packfree_plugin.integrations.trl import PackedDPOTrainer
 
     if args.tiny:
-        from packfree_plugin.tiny import tiny_config, tiny_tokenizer
+        from packfree_plugin.cli.tiny import tiny_config, tiny_tokenizer
 
         # each model gets its own config: the trainer may change one model's config, never the other's
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"), attn_implementation="packfree")

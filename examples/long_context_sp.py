@@ -34,7 +34,7 @@ def packed_row(tokens: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    from packfree_plugin.tiny import is_model_dir
+    from packfree_plugin.cli.tiny import is_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3_next", help="a model type (tiny random weights) or a model directory")
@@ -52,7 +52,7 @@ def main() -> None:
     args.steps = args.steps or (2 if args.tiny else 3)
 
     from packfree_plugin.parallel import init_deepspeed, register_ulysses, shard_batch, shard_loss
-    from packfree_plugin.tiny import load_model
+    from packfree_plugin.cli.tiny import load_model
 
     init_deepspeed()  # deepspeed.init_distributed (NCCL on CUDA, else gloo) without its CPU start-up build
     rank, world = dist.get_rank(), dist.get_world_size()

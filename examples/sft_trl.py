@@ -43,7 +43,7 @@ def main() -> None:
     from trl import SFTConfig, SFTTrainer
 
     if args.tiny:
-        from packfree_plugin.tiny import tiny_config, tiny_tokenizer
+        from packfree_plugin.cli.tiny import tiny_config, tiny_tokenizer
 
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"), attn_implementation="packfree")
         tokenizer = tiny_tokenizer()  # characters as tokens; ids fit the tiny vocabulary

@@ -16,19 +16,19 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Boundaries": "packfree_plugin.boundaries",
-    "register": "packfree_plugin.registration",
-    "unregister": "packfree_plugin.registration",
-    "is_registered": "packfree_plugin.registration",
-    "apply": "packfree_plugin.prepare",
-    "release": "packfree_plugin.prepare",
+    "register": "packfree_plugin.loading.register",
+    "unregister": "packfree_plugin.loading.register",
+    "is_registered": "packfree_plugin.loading.register",
+    "apply": "packfree_plugin.loading.prepare",
+    "release": "packfree_plugin.loading.prepare",
 }
 
 __all__ = ["Boundaries", "apply", "is_registered", "register", "release", "unregister", "__version__"]
 
 if TYPE_CHECKING:
-    from .prepare import apply, release
+    from .loading.prepare import apply, release
     from .boundaries import Boundaries
-    from .registration import is_registered, register, unregister
+    from .loading.register import is_registered, register, unregister
 
 
 def __getattr__(name: str) -> Any:

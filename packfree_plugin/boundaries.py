@@ -5,7 +5,7 @@ contiguous *segments* that never cross a row. A segment is either a sample or a 
 whose ``attention_mask`` is 0); padding spans are kept as segments of their own, so every token belongs
 to exactly one segment and no sample ever sees a padding token or another sample.
 
-``Boundaries`` is built once per forward (by :mod:`packfree_plugin.batch_reading`, from the model entry)
+``Boundaries`` is built once per forward (by :mod:`packfree_plugin.forward.reading`, from the model entry)
 from whichever the batch carries, in this order:
 
 1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (+ ``max_length_q`` / ``max_length_k``), as sent by
@@ -159,7 +159,7 @@ class Boundaries:
         ``logits_to_keep`` queries: ``mask[:, :, slice(-keep, None), :]``) gets these boundaries back when the index
         keeps every token (``slice(0, None)``, as in training). A real cut of a packed row raises: its queries would
         leave the samples the boundaries describe. (Unpacked batches of such models get stock's mask tensors:
-        :func:`packfree_plugin.unpacked.slices_its_mask`.)"""
+        :func:`packfree_plugin.forward.unpacked.slices_its_mask`.)"""
         parts = index if isinstance(index, tuple) else (index,)
         if all(part is Ellipsis or (isinstance(part, slice) and part.start in (None, 0) and part.stop is None
                                     and part.step in (None, 1)) for part in parts):
@@ -547,7 +547,7 @@ class Seq2SeqBoundaries:
     tiled by its own :class:`Boundaries`, and which encoder sample each decoder sample reads. Row ``i``'s ``k``-th
     decoder sample reads row ``i``'s ``k``-th encoder sample (padding spans do not count on either side).
 
-    Built once per forward by the model entry (:mod:`packfree_plugin.seq2seq`), which attaches it to both sides
+    Built once per forward by the model entry (:mod:`.forward.encoder_decoder`), which attaches it to both sides
     (:meth:`of` reads it back): the decoder runs on ``decoder``, and its cross-attention receives this object as its
     mask, the way self-attention receives a :class:`Boundaries`.
 

@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from packfree_plugin.tiny import load_model
+from packfree_plugin.cli.tiny import load_model
 
 FAMILIES = ("llama", "qwen3_next", "mamba2", "lfm2")
 """One representative tiny model per family: attention only, Gated DeltaNet hybrid, Mamba2, LFM2 short conv."""
@@ -37,7 +37,7 @@ def samples_of(lengths: list[int], *, seed: int = 0, vocab: int = 128) -> list[l
 
 def padded_batch(samples: list[list[int]]) -> dict[str, torch.Tensor]:
     """Right-padded stock batch; labels -100 on padding and on each sample's first token (never predicted)."""
-    from packfree_plugin.tools.demo import PaddedCollator
+    from packfree_plugin.cli.demo import PaddedCollator
 
     return PaddedCollator()([{"input_ids": s} for s in samples])
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from packfree_plugin.batch_reading import boundaries_for_call, cache_holds_tokens, packing_signs
+from packfree_plugin.forward.reading import boundaries_for_call, cache_holds_tokens, packing_signs
 
 LENGTHS = [3, 2, 4]
 
@@ -108,7 +108,7 @@ def test_one_rule_starts_a_sample_with_a_mask_as_without(mask: torch.Tensor | No
 def test_a_shard_s_targets_are_checked_against_the_whole_row() -> None:
     """A sequence-parallel shard holds tokens 4..7 of the row ``[3, 2, 4]``: its shift_labels at token 4 (the last
     token before the sample at 5) must be -100; ``labels`` are checked at the sample's first token instead."""
-    from packfree_plugin.batch_reading import crossing_target
+    from packfree_plugin.forward.reading import crossing_target
 
     whole = boundaries_for_call(_packed_row())
     shard = torch.tensor([[-100, 7, 7, 7]])  # the row's tokens 4..7

@@ -7,7 +7,7 @@ from importlib import resources
 
 import numpy
 
-from packfree_plugin.tools.data import load_captioned_images
+from packfree_plugin.cli.data import load_captioned_images
 
 SHA256 = "3238f6aa6928b6e891b1bed652abcbad87a85321232301e31e0b9448380e5538"  # as the data README states
 
@@ -23,5 +23,5 @@ def test_captioned_images_load_with_their_text() -> None:
 
 
 def test_the_image_file_is_the_documented_one() -> None:
-    data = resources.files("packfree_plugin.tools.data").joinpath("images.npz").read_bytes()
+    data = resources.files("packfree_plugin.cli.data").joinpath("images.npz").read_bytes()
     assert hashlib.sha256(data).hexdigest() == SHA256

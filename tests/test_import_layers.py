@@ -7,21 +7,21 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "packfree_plugin"
-FLOORS = (  # bottom first, by top-level module or subpackage of packfree_plugin (docs/layout.md)
-    {"compat", "backends", "keywords", "signature", "boundaries", "unpacked", "opaque", "ops", "catalogue",
-     "classes"},
-    {"context", "batch_reading"},
-    {"rope_ids", "seq2seq"},
-    {"model_entry"},
+FLOORS = (  # bottom first, by subpackage of packfree_plugin, or by module where one stands apart (docs/layout.md)
+    {"compat", "boundaries", "classes", "ops"},
+    {"forward"},
     {"attention"},
+    {"loading.register"},
     {"adapters"},
     {"parallel", "packing", "integrations"},
     {"gate"},
-    {"registration", "prepare", "autoload"},
-    {"tools", "tiny", "__init__", "__main__"},
+    {"loading"},
+    {"cli", "__init__", "__main__"},
 )
-ARROWS_UP = {("packfree_plugin.integrations.trl", "packfree_plugin.registration")}
-"""The one known arrow back up: TRL's trainers register packfree when they build a model."""
+"""``loading.register`` only registers the attention with transformers, so it stands below the integrations that
+register packfree when they build a model; the rest of ``loading`` prepares models with everything below it."""
+ARROWS_UP: set[tuple[str, str]] = set()
+"""Known arrows back up: none."""
 
 
 def _modules() -> dict[str, Path]:
@@ -52,8 +52,13 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def _floor(module: str) -> int | None:
-    key = module.split(".")[1] if "." in module else "__init__"
-    return next((index for index, floor in enumerate(FLOORS) if key in floor), None)
+    """The floor of the module's own name under the package if listed, else of its subpackage's."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for key in (".".join(parts[:2]), parts[0]):
+        found = next((index for index, floor in enumerate(FLOORS) if key in floor), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""The model entry (packfree_plugin/model_entry.py): ``model.forward(...)`` reaches packfree as ``model(...)`` does,
+"""The model entry (packfree_plugin/forward/hook.py): ``model.forward(...)`` reaches packfree as ``model(...)`` does,
 the signature callers read is stock's, and ``set_attn_implementation`` switches a loaded model both ways."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import packfree_plugin
-from packfree_plugin.context import boundaries_here
+from packfree_plugin.forward.context import boundaries_here
 from packfree_plugin.gate.audit import packed_row
-from packfree_plugin.model_entry import has_entry
+from packfree_plugin.forward.hook import has_entry
 from tests.conftest import assert_close, tiny_config
 from tests.helpers import fresh_pair, gradients, max_grad_diff, samples_of
 
@@ -113,7 +113,7 @@ def test_switching_to_packfree_after_loading_gives_the_model_loading_with_it_bui
 def test_switching_runs_the_load_time_proof_and_a_refused_model_stays_as_it_was(monkeypatch) -> None:
     """The gate runs on a switch as at load; a model it refuses raises with its reason and keeps its implementation,
     its forwards and its outputs."""
-    from packfree_plugin import prepare
+    from packfree_plugin.loading import prepare
 
     stock, twin = _stock_pair("llama")
     reason = "LlamaForCausalLM (planted refusal): its layer mixes samples"
@@ -134,7 +134,7 @@ def test_switching_runs_the_load_time_proof_and_a_refused_model_stays_as_it_was(
 def test_a_model_transformers_cannot_switch_is_told_to_load_with_packfree() -> None:
     """GPT-Neo picks its attention class when it is built, so transformers only warns and leaves it as it is: packfree
     says so instead of running on as if it had switched."""
-    from packfree_plugin.tiny import tiny_config as any_tiny_config
+    from packfree_plugin.cli.tiny import tiny_config as any_tiny_config
 
     model = AutoModelForCausalLM.from_config(any_tiny_config("gpt_neo"), attn_implementation="eager")
     with pytest.raises(ValueError, match="cannot switch its attention implementation after loading"):

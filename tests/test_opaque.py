@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packfree_plugin.adapters.forwards  # noqa: F401  (registers the inline-recurrence functions)
+import packfree_plugin.adapters.native_forwards  # noqa: F401  (registers the inline-recurrence functions)
 import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer functions)
 import packfree_plugin.attention.interface  # noqa: F401  (registers packed attention)
-from packfree_plugin import opaque
+from packfree_plugin.ops import opaque
 from packfree_plugin.boundaries import Boundaries
 from tests.conftest import assert_close
 

@@ -16,8 +16,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedMod
 from transformers.masking_utils import AttentionMaskInterface
 
 import packfree_plugin
-from packfree_plugin.registration import ATTN_IMPLEMENTATION
-from packfree_plugin.model_entry import has_entry
+from packfree_plugin.loading.register import ATTN_IMPLEMENTATION
+from packfree_plugin.forward.hook import has_entry
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ FRESH_CHECK = textwrap.dedent(
     """
     import json, sys
     report = {"torch_at_start": "torch" in sys.modules, "transformers_at_start": "transformers" in sys.modules,
-              "hook_at_start": "packfree_plugin.autoload" in sys.modules}
+              "hook_at_start": "packfree_plugin.loading.autoload" in sys.modules}
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     try:

@@ -4,7 +4,7 @@ Models that make their decoder inputs by shifting ``labels`` (or, BART's denoisi
 (:attr:`~packfree_plugin.classes.ClassEntry.shifted_decoder_input`) would shift a packed row as one sequence, so
 every sample but the first would start from the previous sample's last token. On a packed row without
 ``decoder_input_ids`` packfree passes the model's own shift applied to each sample: a step of the model's entry
-(:func:`packfree_plugin.model_entry.add_step`), run after the entry has pushed this forward's boundaries.
+(:func:`packfree_plugin.forward.hook.add_step`), run after the entry has pushed this forward's boundaries.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import nn
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
-from ..context import boundaries_here
-from ..signature import class_forward_parameters
+from ..forward.context import boundaries_here
+from ..forward.signature import class_forward_parameters
 
 __all__ = ["decoder_inputs_step"]
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
-from ..context import boundaries_here
-from .entry import additive_mask
+from ..forward.context import boundaries_here
+from .registry import additive_mask
 from .instance import install, own_forward, own_parameters, uninstall
 from .whole_row import packed_row_refusal
 

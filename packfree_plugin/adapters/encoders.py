@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .entry import MixerAdapter, register_adapter
+from .registry import MixerAdapter, register_adapter
 
 __all__ = ["is_decoder"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..boundaries import Boundaries
-from ..signature import tensor_leaves
+from ..forward.signature import tensor_leaves
 
 __all__ = ["length_buckets", "run_unpacked"]
 

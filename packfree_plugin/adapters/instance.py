@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..signature import ForwardParameters
+from ..forward.signature import ForwardParameters
 
 __all__ = ["install", "own_forward", "own_parameters", "replaced_by", "uninstall"]
 

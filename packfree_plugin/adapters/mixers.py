@@ -7,7 +7,7 @@ that, while a packed batch is in flight, runs the adapter; otherwise the layer's
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
 (:func:`check_coverage`): packfree never lets one mix samples silently.
 
-Where does a layer get its boundaries? From :func:`packfree_plugin.context.boundaries_here`, given its input rows:
+Where does a layer get its boundaries? From :func:`~.forward.context.boundaries_here`, given its input rows:
 the ``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
 models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
 (and around the recomputation of gradient checkpointing), provided they describe those rows. Native adapters
@@ -28,12 +28,12 @@ from transformers.utils import ModelOutput
 
 from ..boundaries import Boundaries
 from ..classes import entry_of
-from ..context import boundaries_here
-from ..keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
+from ..forward.context import boundaries_here
+from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..ops._nonfinite import Quarantine
-from ..signature import ForwardParameters
+from ..forward.signature import ForwardParameters
 from . import encoders, families  # noqa: F401 - they fill the adapters by family
-from .entry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
+from .registry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters, uninstall
 from .routes import may_reach_kernels, native_forward, routed_kernels_of

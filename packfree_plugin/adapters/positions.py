@@ -4,7 +4,7 @@ slice of the caller's ``position_ids``, where the caller passes them).
 Most models read their positions from ``position_ids``, which packfree's boundaries restart in every sample.
 Some compute positions themselves, and on a packed row they would number the whole row as one sequence. A
 ``numbering`` quirk of the embedding module's class (:data:`packfree_plugin.classes.CLASSES`) makes each such
-module number every sample on its own while a packed row is in flight (:func:`packfree_plugin.context.boundaries_here`
+module number every sample on its own while a packed row is in flight (:func:`~.forward.context.boundaries_here`
 with ``packed=True`` returns boundaries with more than one sample in some row). With one sample per row (unpacked, padded,
 ``generate()``, decoding) the module's own forward runs untouched. The numbering rules:
 
@@ -44,7 +44,7 @@ from torch import nn
 
 from ..boundaries import Boundaries
 from ..classes import entry_of
-from ..context import boundaries_here
+from ..forward.context import boundaries_here
 from .generic import run_unpacked
 from .instance import install, own_forward, own_parameters, uninstall
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..classes import ClassEntry, entry_of
-from ..model_entry import add_step
+from ..forward.hook import add_step
 from .decoder_inputs import decoder_inputs_step
 from .dense_masks import install_dense_mask, mark_causal, uninstall_dense_mask, unmark_causal
 from .positions import install_numbering, uninstall_numbering

@@ -7,7 +7,7 @@ module-level kernel functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_r
 route: through ``kernels.kernelize`` and a kernel mapping where transformers declares the function as a kernel seam
 (a ``kernels`` layer, :func:`packfree_plugin.compat.kernel_seam`), else by wrapping the module function in a
 router. Outside a packfree native call the route is transparent (it calls the original). Inside one
-(:func:`native_forward`, which pushes a :class:`~packfree_plugin.context.NativeCall`), it calls the
+(:func:`native_forward`, which pushes a :class:`~packfree_plugin.forward.context.NativeCall`), it calls the
 matching route of :data:`ROUTED_KERNELS`, which runs packfree's boundary-aware op on that call's
 boundaries; the op itself picks the CUDA kernel (causal-conv1d, mamba-ssm, fla) when present.
 
@@ -32,12 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backends, compat, opaque
+from .. import compat
+from ..ops import backends, opaque
 from ..boundaries import Boundaries
 from ..classes import routed_functions
-from ..context import NativeCall, enter_native, exit_native, native_call
-from ..keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
-from ..opaque import boundary_function
+from ..forward.context import NativeCall, enter_native, exit_native, native_call
+from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
+from ..ops.opaque import boundary_function
 
 __all__ = ["OPTIONAL_KERNELS", "PackfreeRoutes", "ROUTED_KERNELS", "install_routes", "is_routed", "may_reach_kernels",
            "native_forward", "uninstall_routes"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..classes import Refusal, entry_of
-from ..context import boundaries_here
+from ..forward.context import boundaries_here
 from .instance import install, own_forward, uninstall
 
 __all__ = ["install_refusal", "install_sample_bias", "packed_row_refusal", "reads_boundaries_in_layers",

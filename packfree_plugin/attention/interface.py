@@ -18,12 +18,12 @@ import os
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import backends, opaque
+from ..ops import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
-from ..context import boundaries_here, in_prepared_forward, is_prepared
-from ..keywords import BOUNDARY_KWARGS
-from ..opaque import boundary_function
+from ..forward.context import boundaries_here, in_prepared_forward, is_prepared
+from ..forward.keywords import BOUNDARY_KWARGS
+from ..ops.opaque import boundary_function
 from .masks import PER_SAMPLE_MASK
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention

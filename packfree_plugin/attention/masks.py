@@ -17,8 +17,8 @@ from transformers.masking_utils import and_masks, sdpa_mask
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import inherited_entry, switched_on
-from ..context import boundaries_here
-from ..unpacked import slices_its_mask
+from ..forward.context import boundaries_here
+from ..forward.unpacked import slices_its_mask
 
 __all__ = ["PER_SAMPLE_MASK", "packfree_attention_mask"]
 

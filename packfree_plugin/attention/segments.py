@@ -9,7 +9,7 @@ softcapping and sinks, which SDPA cannot express, go through the eager reference
 Padding segments produce zeros.
 
 Under ``torch.compile`` the same computation runs inside packfree's opaque custom op
-(:mod:`packfree_plugin.opaque`, via :func:`~packfree_plugin.attention.run_packed_attention`), which
+(:mod:`packfree_plugin.ops.opaque`, via :func:`~packfree_plugin.attention.run_packed_attention`), which
 receives the boundaries as a small CPU tensor: compiled graphs then neither unroll the segment loop nor
 recompile when the packing changes.
 """

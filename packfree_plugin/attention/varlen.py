@@ -29,7 +29,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from ..backends import load_kernel
+from ..ops.backends import load_kernel
 from ..boundaries import Boundaries
 from .reference import AttentionOptions
 

@@ -1,7 +1,7 @@
 """Leak audit: does any module let one packed sample change another sample's outputs?
 
 The isolation proof (:mod:`.proof`) uses it to name the modules that let samples mix, and ``packfree verify``
-(:mod:`packfree_plugin.tools.verify`) reports it beside the proof.
+(:mod:`packfree_plugin.cli.verify`) reports it beside the proof.
 
 :func:`audit` packs several samples into one row (boundaries given by ``position_ids`` alone, as TRL's
 padding-free collator sends them, and the model called with its default ``use_cache`` as a user would),
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..adapters.numbering import quiet
-from ..signature import tensor_leaves
+from ..forward.signature import tensor_leaves
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]
 

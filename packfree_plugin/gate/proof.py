@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters.numbering import quiet
-from ..rope_ids import VISUAL_TOKEN_KEYS
+from ..forward.rope_ids import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
 
@@ -140,7 +140,7 @@ def main_output(output: Any) -> torch.Tensor:
 def build_pair(cls: type, config, *, seed: int = 0) -> tuple[nn.Module, nn.Module, str]:
     """``(packfree_model, stock_model, stock_implementation)`` of class ``cls`` from ``config`` (copied),
     float32, eval mode, identical weights; stock is ``sdpa`` where the class has it, else ``eager``."""
-    from ..registration import register
+    from ..loading.register import register
 
     register()
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ the tiny copy with each layer kind twice (weights tied across layers of a kind),
 user's config cut in depth and with every width divided by one power of two (:func:`cut_factors`).
 
 :func:`tiny_config_for` gives the tiny config of a bare model type: its hand-written ``sized`` entry of
-:data:`~packfree_plugin.catalogue.CATALOGUE` where there is one, else the type's default config (with the entry's
+:data:`~packfree_plugin.gate.catalogue.CATALOGUE` where there is one, else the type's default config (with the entry's
 ``published`` values where stock cannot build the default) shrunk.
 """
 
@@ -514,7 +514,7 @@ def tiny_config_for(model_type: str):
     """The tiny config of a bare model type: its catalogue entry, else its default config shrunk."""
     from transformers import AutoConfig
 
-    from ..catalogue import catalogue_config, published_values, sized_types
+    from .catalogue import catalogue_config, published_values, sized_types
 
     sized = sized_types()
     if model_type in sized:

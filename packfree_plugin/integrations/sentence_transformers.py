@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any
 
-from ..keywords import BOUNDARY_KWARGS
+from ..forward.keywords import BOUNDARY_KWARGS
 
 __all__ = ["TESTED", "install", "install_if_imported", "installed"]
 
@@ -86,7 +86,7 @@ def _flatten_for_packfree(module: Any) -> bool:
     FlashAttention, where its model runs packfree attention and every other prerequisite holds."""
     from transformers import DataCollatorWithFlattening
 
-    from ..model_entry import has_entry
+    from ..forward.hook import has_entry
 
     model = module.model
     if getattr(model.config, "_attn_implementation", None) != "packfree" or not has_entry(model):

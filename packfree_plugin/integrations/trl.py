@@ -35,10 +35,10 @@ import trl
 from torch import nn
 
 from ..boundaries import Boundaries
-from ..context import is_prepared
+from ..forward.context import is_prepared
 from ..packing import pack_best_fit_decreasing
-from ..registration import ATTN_IMPLEMENTATION
-from ..signature import class_forward_parameters
+from ..loading.register import ATTN_IMPLEMENTATION
+from ..forward.signature import class_forward_parameters
 
 __all__ = [
     "PackedDPOTrainer",

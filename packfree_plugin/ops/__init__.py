@@ -4,7 +4,7 @@ Every family folder has the same files: ``fast.py`` (the pure-PyTorch fast path)
 slow per-sample, per-token references the fast path is tested against) and, where a CUDA kernel exists,
 ``op.py`` (the public op: checks, then the kernel or the fast path). Boundary arguments (``cu_seqlens`` /
 ``seq_idx``) are described once in :mod:`._boundary_doc` and converted by :mod:`._seq`; optional CUDA kernels
-are found lazily by :mod:`._dispatch` (never at import time); :mod:`._varlen` holds the sample-aligned chunk
+are found lazily by :mod:`._dispatch` (never at import time); :mod:`._chunk_layout` holds the sample-aligned chunk
 layout of the recurrent ops that carry per-sample states.
 
 Families: ``conv`` (causal depthwise conv1d), ``ssd`` (Mamba2 chunked scan), ``selective_scan``

@@ -1,5 +1,5 @@
 """Which implementation an op runs: an optional CUDA kernel package or packfree's torch path, decided with the
-shared predicate and loader of :mod:`packfree_plugin.backends`; kernels are never imported at module import time."""
+shared predicate and loader of :mod:`packfree_plugin.ops.backends`; kernels are never imported at module import time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Callable, Literal
 
 from torch import Tensor
 
-from .. import backends
+from . import backends
 
 Backend = Literal["auto", "torch", "kernel"]
 

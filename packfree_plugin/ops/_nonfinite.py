@@ -29,8 +29,8 @@ import math
 import torch
 from torch import Tensor
 
-from packfree_plugin.ops._memo import memo
-from packfree_plugin.ops._seq import first_token_mask
+from ._memo import memo
+from ._seq import first_token_mask
 
 __all__ = ["Quarantine"]
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..classes import inherited_entry
-from ..rope_ids import uses_mrope
+from ..forward.rope_ids import uses_mrope
 from .rows import PackedCollator, pack_best_fit_decreasing
 
 __all__ = ["VisionPackedCollator"]

@@ -2,7 +2,7 @@
 and a refusal for torch's context parallelism. See docs/distributed.md."""
 
 from .batch import shard_batch, shard_loss
-from .prepare import layout_of, prepare_sequence_parallel
+from .setup import layout_of, prepare_sequence_parallel
 from .shard import SequenceShard
 from .torch_cp import torch_context_parallel_active
 from .ulysses import init_deepspeed, register_ulysses

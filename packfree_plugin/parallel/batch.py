@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch_reading import check_labels
+from ..forward.reading import check_labels
 from ..boundaries import Boundaries
-from ..keywords import BOUNDARY_KWARGS
+from ..forward.keywords import BOUNDARY_KWARGS
 
 __all__ = ["shard_batch", "shard_loss"]
 

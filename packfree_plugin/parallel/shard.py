@@ -53,6 +53,6 @@ class SequenceShard:
 
     def call(self, name: str, function: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor | None, ...],
              options: dict[str, Any]) -> torch.Tensor:
-        """Run boundary function ``name`` (:mod:`packfree_plugin.opaque`) of a shard's mixer on the whole row, with
+        """Run boundary function ``name`` (:mod:`packfree_plugin.ops.opaque`) of a shard's mixer on the whole row, with
         the route :mod:`.prepare` gave this shard (:func:`.heads.sequence_parallel_call`: head-parallel)."""
         return self.mixer_route(self, name, function, tensors, options)

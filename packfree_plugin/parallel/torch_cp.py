@@ -9,7 +9,7 @@ packed row inside it at the first forward (before any backward) and names the ex
 :func:`packfree_plugin.parallel.prepare_sequence_parallel`.
 
 :func:`packfree_plugin.apply` adds the refusal to the model entry's read checks
-(:func:`packfree_plugin.model_entry.add_read_check`), so the entry runs it on every batch it reads without knowing of
+(:func:`packfree_plugin.forward.hook.add_read_check`), so the entry runs it on every batch it reads without knowing of
 parallelism: the entry stays below this package, which builds on it.
 """
 

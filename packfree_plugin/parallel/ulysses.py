@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .prepare import prepare_sequence_parallel
+from .setup import prepare_sequence_parallel
 
 __all__ = ["init_deepspeed", "register_ulysses"]
 
@@ -56,7 +56,7 @@ def _rank_heads(tensor: torch.Tensor, heads: int, rank: int) -> torch.Tensor:
 def _packfree_around(ulysses: Callable[..., tuple[torch.Tensor, Any]], widths: tuple[int, int],
                      world: int) -> Callable[..., tuple[torch.Tensor, Any]]:
     """packfree's layer around DeepSpeed's registered attention wrapper (see the module docstring)."""
-    from ..context import boundaries_here
+    from ..forward.context import boundaries_here
 
     v_width, width = widths[1], max(widths)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters
+from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters
 from packfree_plugin.adapters.routes import OPTIONAL_KERNELS, ROUTED_KERNELS
 from packfree_plugin.classes import CLASSES, routed_functions
 
@@ -75,15 +75,15 @@ def test_every_class_of_a_native_family_routes_its_own_modeling_module() -> None
     defined = _defining_modules()
     for name in defined:
         class_entry = CLASSES[name]
-        if class_entry.mixer is not None and entry.ADAPTERS[class_entry.mixer].native is native_forward:
+        if class_entry.mixer is not None and registry.ADAPTERS[class_entry.mixer].native is native_forward:
             assert class_entry.routes is not None, name
             assert class_entry.routes.module == defined[name].removeprefix("transformers.models."), name
 
 
 def test_every_family_an_entry_names_exists() -> None:
     named = {class_entry.mixer for class_entry in CLASSES.values() if class_entry.mixer is not None}
-    assert named <= entry.ADAPTERS.keys(), sorted(named - entry.ADAPTERS.keys())
-    assert set(entry.ADAPTERS) <= named, sorted(set(entry.ADAPTERS) - named)
+    assert named <= registry.ADAPTERS.keys(), sorted(named - registry.ADAPTERS.keys())
+    assert set(registry.ADAPTERS) <= named, sorted(set(registry.ADAPTERS) - named)
 
 
 def test_a_missing_routed_function_is_refused(monkeypatch) -> None:
@@ -102,7 +102,7 @@ def test_a_model_whose_routed_function_vanished_is_refused_at_load_by_name(monke
     from transformers.models.lfm2 import modeling_lfm2
 
     from packfree_plugin.adapters import routes
-    from packfree_plugin.tiny import load_model
+    from packfree_plugin.cli.tiny import load_model
 
     routes.uninstall_routes()
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")

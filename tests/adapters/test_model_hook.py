@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packfree_plugin.context import boundaries_here
+from packfree_plugin.forward.context import boundaries_here
 from tests.helpers import fresh_pair
 
 

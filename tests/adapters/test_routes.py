@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import packfree_plugin
-from packfree_plugin.adapters import entry, mixers  # noqa: F401 - mixers fills the adapters first
+from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters first
 from packfree_plugin.classes import CLASSES
 from packfree_plugin.adapters.routes import native_forward
 from tests.adapters.test_generic import TINY_HYBRIDS
@@ -27,8 +27,8 @@ def _model(model_type: str, monkeypatch, *, native: bool):
     packfree_plugin.register()
     mixer, config = NATIVE_CASES[model_type]
     family = CLASSES[mixer].mixer
-    adapter = dataclasses.replace(entry.ADAPTERS[family], native=native_forward if native else None)
-    monkeypatch.setitem(entry.ADAPTERS, family, adapter)
+    adapter = dataclasses.replace(registry.ADAPTERS[family], native=native_forward if native else None)
+    monkeypatch.setitem(registry.ADAPTERS, family, adapter)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), attn_implementation="packfree",
                                             dtype=torch.float64, experts_implementation="eager")
@@ -101,7 +101,7 @@ def test_mixers_quarantine_only_where_a_kernel_package_may_run(model_type: str, 
     import sys
     import types
 
-    from packfree_plugin import backends
+    from packfree_plugin.ops import backends
     from packfree_plugin.adapters.routes import _kernel_packages, may_reach_kernels
 
     mixer, _ = NATIVE_CASES[model_type]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.attention.varlen as torch_varlen_module
 
-from packfree_plugin import backends
+from packfree_plugin.ops import backends
 from packfree_plugin.attention import interface, varlen
 from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries

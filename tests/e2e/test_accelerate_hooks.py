@@ -10,7 +10,7 @@ import torch
 
 import packfree_plugin
 from packfree_plugin.gate.audit import packed_row
-from packfree_plugin.model_entry import has_entry
+from packfree_plugin.forward.hook import has_entry
 from tests.conftest import assert_close
 from tests.helpers import STOCK, fresh_pair, samples_of
 

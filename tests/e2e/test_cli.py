@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from packfree_plugin.catalogue import sized_types
-from packfree_plugin.tools.cli import main
-from packfree_plugin.tools.demo import WARMUP_STEPS, RunResult, decompose, verdict
+from packfree_plugin.gate.catalogue import sized_types
+from packfree_plugin.cli.main import main
+from packfree_plugin.cli.demo import WARMUP_STEPS, RunResult, decompose, verdict
 
 
 def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
@@ -81,7 +81,7 @@ def test_verify_fails_on_a_deliberately_leaking_model(capsys, monkeypatch) -> No
 
 
 def test_verify_from_a_saved_model_dir_as_a_subprocess(tmp_path) -> None:
-    from packfree_plugin.tiny import load_model
+    from packfree_plugin.cli.tiny import load_model
 
     load_model("lfm2", "sdpa", dtype=torch.float32).save_pretrained(tmp_path)
     result = subprocess.run([sys.executable, "-m", "packfree_plugin", "verify", str(tmp_path), "--no-reference"],
@@ -171,7 +171,7 @@ def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path)
 
 
 def test_bench_chart_from_rows(tmp_path) -> None:
-    from packfree_plugin.tools.bench import chart
+    from packfree_plugin.cli.bench import chart
 
     rows = [{"run": "padded", "tokens/s": 100.0, "x padded": 1.0}, {"run": "packed", "tokens/s": 170.0, "x padded": 1.7}]
     path = chart({"training": rows}, tmp_path / "bench.png")

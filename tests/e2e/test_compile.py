@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 import packfree_plugin
-from packfree_plugin.tiny import tiny_config
+from packfree_plugin.cli.tiny import tiny_config
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import CountingBackend, assert_close
 from tests.helpers import fresh_pair, samples_of
 from tests.models.test_hybrids import tolerance
-from packfree_plugin.catalogue import catalogue_config
+from packfree_plugin.gate.catalogue import catalogue_config
 
 NATIVE_FAMILIES = ["llama", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "lfm2"]
 """Attention, Gated DeltaNet, KDA, Mamba2 SSD, Mamba1 selective scan, short conv."""

@@ -16,7 +16,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling, Transfor
 
 import packfree_plugin  # noqa: E402
 from packfree_plugin.integrations import sentence_transformers as integration  # noqa: E402
-from packfree_plugin.tools.data import load_gsm8k  # noqa: E402
+from packfree_plugin.cli.data import load_gsm8k  # noqa: E402
 from tests import stock_facts  # noqa: E402
 from tests.helpers import max_grad_diff  # noqa: E402
 

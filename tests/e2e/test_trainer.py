@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from packfree_plugin.tools.demo import PaddedCollator, train
+from packfree_plugin.cli.demo import PaddedCollator, train
 from tests.helpers import fresh_pair, samples_of
 
 LENGTHS = [9, 3, 14, 6, 11, 2, 8, 5, 12, 7, 4, 10]

@@ -11,7 +11,7 @@ from transformers import DataCollatorWithFlattening
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import MODES, build_pair, main_output, packed_batch, prove, sample_tokens
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.context import boundaries_here
+from packfree_plugin.forward.context import boundaries_here
 from packfree_plugin.gate.audit import audit
 from tests.gate.conftest import RowPoolingBert
 

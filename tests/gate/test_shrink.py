@@ -71,7 +71,7 @@ def test_layer_index_lists_follow_the_kept_layers(model_type: str, name: str, in
 
 
 def test_catalogue_types_use_their_hand_written_config() -> None:
-    from packfree_plugin.catalogue import CATALOGUE
+    from packfree_plugin.gate.catalogue import CATALOGUE
 
     assert tiny_config_for("qwen3_next").layer_types == CATALOGUE["qwen3_next"].sized["layer_types"]
 

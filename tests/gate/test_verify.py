@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from packfree_plugin.tools.cli import main
-from packfree_plugin.tools.verify import verify
+from packfree_plugin.cli.main import main
+from packfree_plugin.cli.verify import verify
 
 
 def test_verify_fails_a_model_that_is_wrong_without_leaking(capsys, roberta_without_positions) -> None:

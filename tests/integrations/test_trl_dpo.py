@@ -23,7 +23,7 @@ def dpo_pair(model_type: str, tmp_path, *, ref_seed: int | None = 7, rows: int =
              max_tokens_per_row: int | None = None, **config):
     """Train the same model packed and padded; returns both records."""
     from packfree_plugin.integrations.trl import PackedDPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     dataset = datasets.Dataset.from_list(preference_rows(rows))
     records = []
@@ -77,7 +77,7 @@ def test_dpo_peft_adapter_off_as_reference(tmp_path) -> None:
 
 def test_dpo_refuses_reference_on_other_attention(tmp_path) -> None:
     from packfree_plugin.integrations.trl import PackedDPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     policy, stock = models("llama")
     args = trl.DPOConfig(**common_config(tmp_path, padding_free=True))
@@ -95,7 +95,7 @@ def test_dpo_packs_when_trl_name_patched_to_packed_class(tmp_path, monkeypatch, 
     ``DPOConfig(padding_free=True)``: reading the config through ``trl.DPOTrainer``'s signature found only
     ``*args`` there, so padding-free was silently off and every batch ran padded."""
     from packfree_plugin.integrations.trl import PackedDPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     monkeypatch.setattr(trl, "DPOTrainer", PackedDPOTrainer)
     policy, reference = models("llama")[0], models("llama", seed=7)[0]
@@ -112,7 +112,7 @@ def test_dpo_packs_reference_prepared_under_mixed_precision(tmp_path, packings) 
     in a mixed-precision one: the reference must still be packed (it was refused as having no fused LM head, so
     every TRL DPO test with a reference failed under the default bf16), and score as padded does."""
     from packfree_plugin.integrations.trl import PackedDPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     dataset = datasets.Dataset.from_list(preference_rows(4))
     losses = []

@@ -37,7 +37,7 @@ def completion_lengths(completions: list[str], **kwargs) -> list[float]:
 
 def grpo_pair(model_type: str, tmp_path, *, max_tokens_per_row: int | None = None, **config):
     from packfree_plugin.integrations.trl import PackedGRPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     path = saved_model(model_type, tmp_path / "model")
     dataset = datasets.Dataset.from_list([{"prompt": prompt} for prompt in PROMPTS])
@@ -76,7 +76,7 @@ def test_grpo_ratio_one_and_kl_zero_before_the_first_update(tmp_path) -> None:
     of packed ones would read other positions and move the KL and ratio off their step-0 values, 0 and 1, by far
     more than rounding."""
     from packfree_plugin.integrations.trl import PackedGRPOTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     path = saved_model("gpt2", tmp_path / "model")
     args = trl.GRPOConfig(**common_config(

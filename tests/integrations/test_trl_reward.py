@@ -23,7 +23,7 @@ def test_reward_packed_equals_padded(tmp_path, packings, model_type: str, budget
     from transformers import AutoModelForSequenceClassification
 
     from packfree_plugin.integrations.trl import PackedRewardTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     dataset = datasets.Dataset.from_list(preference_rows(8, empty_prompt=False))
     records = []
@@ -49,7 +49,7 @@ def test_reward_refuses_a_model_on_other_attention(tmp_path) -> None:
     from transformers import AutoModelForSequenceClassification
 
     from packfree_plugin.integrations.trl import PackedRewardTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     stock = models("llama", head=AutoModelForSequenceClassification)[1]
     with pytest.raises(ValueError, match="reward model.*attn_implementation='packfree'"):
@@ -63,7 +63,7 @@ def test_reward_with_margin_column_equals_padded(tmp_path, packings) -> None:
     from transformers import AutoModelForSequenceClassification
 
     from packfree_plugin.integrations.trl import PackedRewardTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     rows = [dict(row, margin=0.25 * index) for index, row in enumerate(preference_rows(8, empty_prompt=False))]
     dataset = datasets.Dataset.from_list(rows)
@@ -103,7 +103,7 @@ def test_reward_moe_router_loss_on_rows_with_padding_tails(tmp_path, packings) -
     from transformers import AutoModelForSequenceClassification
 
     from packfree_plugin.integrations.trl import PackedRewardTrainer
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     dataset = datasets.Dataset.from_list(preference_rows(8, empty_prompt=False))
     records = []

@@ -12,7 +12,7 @@ import torch
 
 from transformers import AutoModelForCausalLM
 
-from packfree_plugin.tiny import tiny_config
+from packfree_plugin.cli.tiny import tiny_config
 
 STOCK = {"mamba2": "eager"}
 """Stock implementation of the padded reference (pure Mamba has no sdpa path); sdpa otherwise."""

@@ -131,7 +131,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(autouse=True)
 def kernel_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every tensor counts as CUDA for packfree's kernel choice (ops and packed attention alike)."""
-    from packfree_plugin import backends
+    from packfree_plugin.ops import backends
 
     monkeypatch.setattr(backends, "on_cuda", lambda tensor: True)
     monkeypatch.delenv("PACKFREE_ATTENTION_BACKEND", raising=False)
@@ -157,7 +157,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], KernelCalls]:
     """``spy("fla.ops.kda", "chunk_kda")``: the real function, recording each call (packfree loads it by name)."""
 
     def install(module: str, attr: str) -> KernelCalls:
-        from packfree_plugin import backends
+        from packfree_plugin.ops import backends
 
         target = importlib.import_module(module)
         real = getattr(target, attr)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer routes)
-from packfree_plugin import opaque
+from packfree_plugin.ops import opaque
 from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan
 
 from .test_real_fla import boundaries_of, close

@@ -204,7 +204,7 @@ def attention_pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(packfree model in float16, stock sdpa / eager model in float64)`` with the same weights."""
     from transformers import AutoModelForCausalLM
 
-    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.cli.tiny import tiny_config
     from tests.conftest import STOCK_REFERENCE, TINY_CAUSAL_LM, build_pair
 
     if model_type in TINY_CAUSAL_LM:

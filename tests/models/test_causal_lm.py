@@ -222,7 +222,7 @@ def test_right_padded_batch_with_running_position_ids_equals_stock(model_type: s
 def test_a_prepared_mask_with_a_packed_row_is_refused(model_type: str) -> None:
     """A 4-D mask (even a correct block-diagonal one) beside packed ids used to drop the boundaries, so the
     hybrids' mixers ran unprotected: refused now, for any mask that is not the 2-D padding mask."""
-    from packfree_plugin.tiny import load_model
+    from packfree_plugin.cli.tiny import load_model
 
     model = load_model(model_type, "packfree", dtype=torch.float64, seed=0) if model_type != "llama" else pair("llama")[0]
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])

@@ -26,7 +26,7 @@ from transformers import CONFIG_MAPPING, DataCollatorWithFlattening
 from packfree_plugin.gate.admission import bypassed
 from tests import stock_facts
 from packfree_plugin.gate.shrink import tiny_config_for
-from packfree_plugin.registration import register
+from packfree_plugin.loading.register import register
 from tests.conftest import assert_close
 
 LENGTHS = [6, 9, 5, 9]  # two of one length: a group of two samples; all longer than the tiny window (4)

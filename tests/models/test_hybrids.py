@@ -1,6 +1,6 @@
 """Every hybrid / recurrent model type under packfree against stock transformers running each sample alone.
 
-For each type with a ``sized`` entry in :data:`~packfree_plugin.catalogue.CATALOGUE` (float64 where the model allows):
+For each type with a ``sized`` entry in :data:`~.gate.catalogue.CATALOGUE` (float64 where the model allows):
 packed logits equal each sample alone for (a) ``position_ids`` only (TRL padding-free), (b) everything
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)`` returns, (c) B > 1 packed
 rows with tail padding and an ``attention_mask`` under the model's default ``use_cache``; a loss on one
@@ -24,7 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packfree_plugin
 from packfree_plugin.adapters.mixers import check_coverage
 from tests.conftest import assert_close, print_uncaptured
-from packfree_plugin.catalogue import catalogue_config, sized_types
+from packfree_plugin.gate.catalogue import catalogue_config, sized_types
 
 LENGTHS = [7, 1, 12, 3]  # longer than the tiny block / chunk / window / compression sizes of the configs
 ROWS = [[5, 2], [9], [1, 3, 4]]  # B = 3 packed rows, tail-padded to a common length

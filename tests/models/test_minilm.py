@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 import packfree_plugin
-from packfree_plugin.tools.data import load_gsm8k
+from packfree_plugin.cli.data import load_gsm8k
 from tests import stock_facts
 from tests.conftest import CountingBackend, assert_close
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from packfree_plugin.tiny import tiny_config
+from packfree_plugin.cli.tiny import tiny_config
 
 
 def test_nemotron_h_left_padded_generate_matches_stock() -> None:

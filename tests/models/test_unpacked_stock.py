@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel
 
 import packfree_plugin
-from packfree_plugin.tiny import tiny_config
+from packfree_plugin.cli.tiny import tiny_config
 from tests.conftest import assert_close
 
 HOLEY_MASK = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 1], [0, 1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0]])

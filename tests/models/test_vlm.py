@@ -351,7 +351,8 @@ def test_packed_overlay_that_depends_on_row_position_is_refused() -> None:
     one that counts from the row's start (Llama 4's attention chunks) would cut the wrong chunks: refused."""
     from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
 
-    from packfree_plugin import Boundaries, context
+    from packfree_plugin import Boundaries
+    from packfree_plugin.forward import context
     from packfree_plugin.attention.masks import packfree_attention_mask
 
     boundaries = Boundaries.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))

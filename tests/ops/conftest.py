@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from packfree_plugin import backends
+from packfree_plugin.ops import backends
 
 
 @pytest.fixture

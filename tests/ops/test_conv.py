@@ -126,7 +126,7 @@ def test_shapes_the_kernel_rejects_take_the_torch_path(route_to, shape):
 
 
 def test_cpu_tensors_never_import_the_kernel(monkeypatch):
-    from packfree_plugin import backends
+    from packfree_plugin.ops import backends
 
     def boom(*a, **k):
         raise AssertionError("kernel lookup on CPU")
@@ -139,7 +139,7 @@ def test_cpu_tensors_never_import_the_kernel(monkeypatch):
 def test_forced_kernel_without_package_raises(monkeypatch):
     import sys
 
-    from packfree_plugin import backends
+    from packfree_plugin.ops import backends
 
     monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # import fails
     backends.load_kernel.cache_clear()

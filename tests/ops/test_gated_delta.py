@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfree_plugin import backends
+from packfree_plugin.ops import backends
 from packfree_plugin.ops.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,

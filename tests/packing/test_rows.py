@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening
 
-import packfree_plugin.tools.data as pf_data
-from packfree_plugin.tools.data import GSM8K_TEST_RECORDS, format_sft, load_gsm8k
+import packfree_plugin.cli.data as pf_data
+from packfree_plugin.cli.data import GSM8K_TEST_RECORDS, format_sft, load_gsm8k
 from packfree_plugin.packing import (
     PackedCollator,
     TokenBudgetBatchSampler,

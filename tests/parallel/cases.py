@@ -129,8 +129,8 @@ def _to_float64(tensor: torch.Tensor, memory_format: torch.memory_format = torch
 def _model(case: Case, attn_implementation: str = "packfree") -> torch.nn.Module:
     from transformers import AutoModelForMaskedLM
 
-    from packfree_plugin.registration import register
-    from packfree_plugin.tiny import auto_class, tiny_config
+    from packfree_plugin.loading.register import register
+    from packfree_plugin.cli.tiny import auto_class, tiny_config
 
     register()
     torch.manual_seed(0)
@@ -197,8 +197,8 @@ def stock_alone(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _plant(case: Case) -> None:
-    from packfree_plugin.parallel import batch, heads, ulysses
-    from packfree_plugin.parallel import prepare as shard
+    from packfree_plugin.parallel import batch, head_parallel, ulysses
+    from packfree_plugin.parallel import setup as shard
 
     assert case.plant is None or case.plant in PLANTS, case.plant
     if case.plant == "shard_edges":
@@ -215,7 +215,7 @@ def _plant(case: Case) -> None:
             mine = _GROUP_SLICE(groups, heads_, world, rank, layer)
             return slice(0, mine.stop - mine.start)
 
-        heads._group_slice = first_groups
+        head_parallel._group_slice = first_groups
     elif case.plant == "filler":
         batch._filler_positions = lambda position_ids, pad: (
             position_ids[:, -1:] + 1 + torch.arange(pad, dtype=position_ids.dtype).expand(position_ids.shape[0], pad))
@@ -304,23 +304,23 @@ def _undo_case(case: Case) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from packfree_plugin.attention.interface import packfree_attention_forward
-    from packfree_plugin.parallel import prepare as shard
+    from packfree_plugin.parallel import setup as shard
 
-    from packfree_plugin.parallel import batch, heads, ulysses
+    from packfree_plugin.parallel import batch, head_parallel, ulysses
 
     ALL_ATTENTION_FUNCTIONS["packfree"] = packfree_attention_forward  # undo Ulysses' wrapper
     if case.engine == "ulysses":
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         parallel_state_sp._release_sequence_parallel_groups()  # the next case registers afresh
-    shard._gather_rows, heads._group_slice, batch._filler_positions = _GATHER, _GROUP_SLICE, _FILLER
+    shard._gather_rows, head_parallel._group_slice, batch._filler_positions = _GATHER, _GROUP_SLICE, _FILLER
     ulysses._rank_heads = _RANK_HEADS
 
 
 # restored after a planted case
 from packfree_plugin.parallel.batch import _filler_positions as _FILLER  # noqa: E402
-from packfree_plugin.parallel.heads import _group_slice as _GROUP_SLICE  # noqa: E402
-from packfree_plugin.parallel.prepare import _gather_rows as _GATHER  # noqa: E402
+from packfree_plugin.parallel.head_parallel import _group_slice as _GROUP_SLICE  # noqa: E402
+from packfree_plugin.parallel.setup import _gather_rows as _GATHER  # noqa: E402
 from packfree_plugin.parallel.ulysses import _rank_heads as _RANK_HEADS  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 the rest): one packed row split over 2 CPU ranks (gloo) must give the loss and gradients of the stock model run on
 each sample alone (tests/parallel/cases.py).
 
-- Mamba2, Mamba: no attention, so every token-mixing op runs head-parallel (:mod:`packfree_plugin.parallel.heads`);
+- Mamba2, Mamba: no attention, so every token-mixing op runs head-parallel (:mod:`.parallel.head_parallel`);
   rows of odd length (padded to the group) with a sample crossing the shard edge; a Mamba2 of 4 B/C head groups
   (each rank's heads read 2 of them).
 - the same with shard-local boundaries planted, and with every rank reading the first groups: the gradients must
@@ -112,9 +112,9 @@ def test_a_shard_holding_one_samples_middle_runs_without_the_cache(group_of_one)
 def test_generic_tier_mixers_are_refused_at_set_up(model_type: str) -> None:
     """RWKV and xLSTM run their recurrence per sample on the tokens they get, not through a routed op: a sample that
     began on another rank is not on the shard, so they are refused, naming why."""
-    from packfree_plugin.parallel.prepare import check_splittable
-    from packfree_plugin.registration import register
-    from packfree_plugin.tiny import auto_class, tiny_config
+    from packfree_plugin.parallel.setup import check_splittable
+    from packfree_plugin.loading.register import register
+    from packfree_plugin.cli.tiny import auto_class, tiny_config
 
     register()
     config = tiny_config(model_type)

@@ -14,7 +14,7 @@ from tests.upstream import trl_offline, trl_run
 def test_stand_in_config_is_the_named_architecture(name: str) -> None:
     """Every stand-in's tiny config is of the model type whose class the repository names (the name's
     ``tiny-<Architecture>`` part), so a test runs the architecture it asks for."""
-    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.cli.tiny import tiny_config
 
     model_type, architecture = trl_offline.MODELS[name]
     assert name.removeprefix("tiny-").startswith(architecture)

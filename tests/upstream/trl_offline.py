@@ -80,7 +80,7 @@ def repo_dir(cache: Path, name: str) -> Path:
 
 def tiny_tokenizer_with_template():
     """packfree's character tokenizer (ids fit the tiny configs' 128-token vocabulary) with :data:`CHAT_TEMPLATE`."""
-    from packfree_plugin.tiny import tiny_tokenizer
+    from packfree_plugin.cli.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -92,7 +92,7 @@ def build_model(name: str, directory: Path) -> None:
     import torch
     import transformers
 
-    from packfree_plugin.tiny import tiny_config
+    from packfree_plugin.cli.tiny import tiny_config
 
     model_type, architecture = MODELS[name]
     config = tiny_config(model_type)

@@ -55,7 +55,7 @@ def _swap_trainers() -> None:
     import trl
 
     from packfree_plugin.integrations import trl as packed
-    from packfree_plugin.registration import register
+    from packfree_plugin.loading.register import register
 
     register()
     trl.DPOTrainer = packed.PackedDPOTrainer

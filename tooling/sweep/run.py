@@ -67,7 +67,7 @@ def targets() -> list[Target]:
     """Every target of the installed transformers, in a stable order."""
     from transformers.models.auto import modeling_auto as auto
 
-    from packfree_plugin.catalogue import sized_types
+    from packfree_plugin.gate.catalogue import sized_types
 
     found: dict[Target, None] = {}
     for group, mapping in (("causal", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
@@ -280,7 +280,7 @@ def user_config_checks(target: Target, result: Result) -> None:
     import transformers
     from transformers import AutoConfig
 
-    from packfree_plugin.catalogue import published_values
+    from packfree_plugin.gate.catalogue import published_values
     from packfree_plugin.gate.shrink import shrink_config, tiny_config_for
 
     cls = getattr(transformers, target.cls)

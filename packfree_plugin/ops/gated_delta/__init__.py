@@ -4,9 +4,9 @@
 chunked fast path), ``naive.naive_*`` (per-sample, per-token references).
 """
 
-from packfree_plugin.ops.gated_delta.fast import chunk_gated_delta_rule_torch, chunk_kda_torch
-from packfree_plugin.ops.gated_delta.op import chunk_gated_delta_rule, chunk_kda
-from packfree_plugin.ops.gated_delta.naive import naive_gated_delta_rule, naive_kda
+from .fast import chunk_gated_delta_rule_torch, chunk_kda_torch
+from .op import chunk_gated_delta_rule, chunk_kda
+from .naive import naive_gated_delta_rule, naive_kda
 
 __all__ = [
     "chunk_gated_delta_rule",

@@ -41,12 +41,12 @@ import numpy
 import torch
 from torch.autograd.function import once_differentiable
 
-from packfree_plugin.ops._boundary_doc import with_boundary_doc
-from packfree_plugin.ops.gated_delta.gates import kda_gate, l2norm
-from packfree_plugin.ops._memo import memo
-from packfree_plugin.ops._nonfinite import Quarantine
-from packfree_plugin.ops._seq import resolve_seq_idx
-from packfree_plugin.ops._varlen import (
+from .._boundary_doc import with_boundary_doc
+from .gates import kda_gate, l2norm
+from .._memo import memo
+from .._nonfinite import Quarantine
+from .._seq import resolve_seq_idx
+from .._chunk_layout import (
     ChunkLayout,
     check_qkv,
     chunk_layout,

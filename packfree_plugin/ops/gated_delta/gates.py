@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from packfree_plugin.ops._varlen import compute_dtype
+from .._chunk_layout import compute_dtype
 
 __all__ = ["kda_gate", "l2norm"]
 

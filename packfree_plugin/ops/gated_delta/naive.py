@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from packfree_plugin.ops._varlen import compute_dtype, host_offsets, row_offsets
-from packfree_plugin.ops.gated_delta.gates import kda_gate, l2norm
+from .._chunk_layout import compute_dtype, host_offsets, row_offsets
+from .gates import kda_gate, l2norm
 
 __all__ = ["naive_gated_delta_rule", "naive_kda"]
 

@@ -1,6 +1,6 @@
 """Public gated-delta ops: fla's Triton kernels on CUDA when fla imports, else the PyTorch chunked path.
 
-Routing goes through the shared ``packfree_plugin.backends`` (``on_cuda`` predicate, cached lazy
+Routing goes through the shared ``packfree_plugin.ops.backends`` (``on_cuda`` predicate, cached lazy
 ``load_kernel``), so tests exercise the fla route on CPU by monkeypatching ``backends.on_cuda`` and putting a
 fake ``fla`` in ``sys.modules`` (then ``load_kernel.cache_clear()``). Inputs are validated here first,
 whichever route runs, so a contract violation is always a ``ValueError`` from packfree, never a Triton
@@ -9,12 +9,12 @@ assertion.
 
 from __future__ import annotations
 
-from packfree_plugin.ops._boundary_doc import with_boundary_doc
+from .._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops._dispatch import Backend, pick_kernel
-from packfree_plugin.ops.gated_delta.fast import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
+from .._dispatch import Backend, pick_kernel
+from .fast import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
 
 __all__ = ["chunk_gated_delta_rule", "chunk_kda"]
 

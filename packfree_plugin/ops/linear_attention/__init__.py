@@ -4,7 +4,7 @@
 could serve CUDA later), ``naive.naive_linear_attention`` (per-sample reference).
 """
 
-from packfree_plugin.ops.linear_attention.fast import chunk_linear_attention
-from packfree_plugin.ops.linear_attention.naive import naive_linear_attention
+from .fast import chunk_linear_attention
+from .naive import naive_linear_attention
 
 __all__ = ["chunk_linear_attention", "naive_linear_attention"]

@@ -21,13 +21,13 @@ chunk of every sample at once, the state recurrence loops over chunk steps with 
 
 from __future__ import annotations
 
-from packfree_plugin.ops._boundary_doc import with_boundary_doc
+from .._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops._nonfinite import Quarantine
-from packfree_plugin.ops._seq import resolve_seq_idx
-from packfree_plugin.ops._varlen import (
+from .._nonfinite import Quarantine
+from .._seq import resolve_seq_idx
+from .._chunk_layout import (
     chunk_layout,
     compute_dtype,
     run_chunk_steps,

@@ -3,7 +3,7 @@
 ``fast.linear_recurrence`` (public, pure PyTorch blocked scan), ``naive.naive_linear_recurrence`` (reference).
 """
 
-from packfree_plugin.ops.lru.naive import naive_linear_recurrence
-from packfree_plugin.ops.lru.fast import linear_recurrence
+from .naive import naive_linear_recurrence
+from .fast import linear_recurrence
 
 __all__ = ["linear_recurrence", "naive_linear_recurrence"]

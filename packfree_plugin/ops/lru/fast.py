@@ -15,13 +15,13 @@ scan was tried first: it touches every element ``log2 C`` times through full-siz
 
 from __future__ import annotations
 
-from packfree_plugin.ops._boundary_doc import with_boundary_doc
+from .._boundary_doc import with_boundary_doc
 
 import torch
 
-from packfree_plugin.ops._nonfinite import Quarantine
-from packfree_plugin.ops._seq import resolve_seq_idx
-from packfree_plugin.ops._varlen import (
+from .._nonfinite import Quarantine
+from .._seq import resolve_seq_idx
+from .._chunk_layout import (
     check_floating,
     check_same_device,
     compute_dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from packfree_plugin.ops._varlen import compute_dtype, host_offsets, row_offsets
+from .._chunk_layout import compute_dtype, host_offsets, row_offsets
 
 __all__ = ["naive_linear_recurrence"]
 

@@ -1,0 +1,146 @@
+"""The per-thread stack of boundaries: what every consumer that transformers' ``**kwargs`` do not reach (a mixer, a
+position module, a mask or attention function, a routed kernel) reads, through :func:`boundaries_here` and
+:func:`native_call`. The entries that fill it (a model forward, a decoder layer, its gradient-checkpoint
+recomputation) live in :mod:`.model_entry`; a native mixer call pushes a :class:`NativeCall` (:mod:`.adapters.routes`).
+
+The stack lives on a ``threading.local`` rather than in a ``ContextVar``: Dynamo traces reads and pushes
+of the former and breaks the graph on the latter, and these reads happen in every layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..boundaries import Boundaries
+
+__all__ = [
+    "NativeCall",
+    "boundaries_here",
+    "current",
+    "enter_native",
+    "exit_native",
+    "fits",
+    "in_prepared_forward",
+    "is_prepared",
+    "mark_prepared",
+    "native_call",
+    "pop",
+    "push",
+]
+
+
+class NativeCall:
+    """One native-tier mixer call in progress: its boundaries, and how many kernel calls it routed."""
+
+    def __init__(self, boundaries: Boundaries, layer_name: str) -> None:
+        self.boundaries = boundaries
+        self.layer_name = layer_name
+        self.routed = 0
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.items: list[Boundaries | NativeCall | None] = []
+
+
+_STACK = _PerThread()
+"""The one per-thread stack: the boundaries of the model forward, decoder layer or native mixer call in
+progress (None: a call that packs nothing, e.g. decoding)."""
+
+
+def _top() -> Boundaries | NativeCall | None:
+    items = _STACK.items
+    return items[-1] if items else None
+
+
+def push(entry: Boundaries | NativeCall | None) -> None:
+    """Push an entry (pair with :func:`pop` in a ``finally``)."""
+    _STACK.items.append(entry)
+
+
+def pop() -> None:
+    """Pop the innermost entry."""
+    _STACK.items.pop()
+
+
+def current() -> Boundaries | None:
+    """The boundaries in effect on this thread (None outside a packfree forward, or while decoding)."""
+    top = _top()
+    return top.boundaries if isinstance(top, NativeCall) else top
+
+
+def in_prepared_forward() -> bool:
+    """Whether a forward of a model prepared by packfree is in progress on this thread (its entry pushed one,
+    None included: a decoding step)."""
+    return bool(_STACK.items)
+
+
+_PREPARED_ATTR = "_packfree_prepared"
+
+
+def mark_prepared(model: nn.Module) -> None:
+    """Mark every module of ``model`` as part of a model packfree prepared (copies and pickles keep the mark)."""
+    for module in model.modules():
+        module.__dict__[_PREPARED_ATTR] = True
+
+
+def is_prepared(module: nn.Module) -> bool:
+    """Whether ``module`` belongs to a model packfree prepared (:func:`mark_prepared`)."""
+    return module.__dict__.get(_PREPARED_ATTR, False)
+
+
+_ANY_ROWS = object()
+
+
+def boundaries_here(kwargs: dict[str, Any] | None = None, *, rows: Any = _ANY_ROWS, length: int | None = None,
+                    packed: bool = False) -> Boundaries | None:
+    """The boundaries of the rows a consumer (a layer, head, position module, mask or attention function) works on,
+    or None: the one reader of boundaries outside this module.
+
+    They are the ``packfree_boundaries`` transformers forwarded through the consumer's ``**kwargs`` when given,
+    else the entry on this thread's stack (the model forward, decoder layer or native call in progress), and they
+    count only where they are the consumer's own: ``rows`` (``[B, T, ...]`` token rows, or a ``(B, T)`` pair; never
+    a 2-D float tensor, a tower's ``[N, D]`` patches) must be rows they describe, ``length`` their ``T``, and
+    with ``packed`` they must hold several samples in some row."""
+    given = kwargs.get("packfree_boundaries") if kwargs else None
+    boundaries = given if given is not None else current()
+    if boundaries is None or (packed and not boundaries.is_packed):
+        return None
+    if length is not None and length != boundaries.seq_len:
+        return None
+    if rows is not _ANY_ROWS and not fits(boundaries, rows):
+        return None
+    return boundaries
+
+
+def native_call() -> NativeCall | None:
+    """The native mixer call in progress on this thread, if the innermost entry is one."""
+    top = _top()
+    return top if isinstance(top, NativeCall) else None
+
+
+def enter_native(boundaries: Boundaries, layer_name: str) -> NativeCall:
+    """Start a native mixer call (pair with :func:`exit_native` in a ``finally``)."""
+    call = NativeCall(boundaries, layer_name)
+    push(call)
+    return call
+
+
+def exit_native() -> None:
+    pop()
+
+
+def fits(boundaries: Boundaries, tokens: Any) -> bool:
+    """Whether ``tokens`` is a row of tokens that ``boundaries`` describe: a ``(B, T)`` pair, ``[B, T]`` ids or
+    ``[B, T, D]`` embeddings. A 2-D float tensor is a tower's ``[N, D]`` patches or frames, never a row, even where its
+    shape happens to equal the text rows' (16 Qwen-VL patches of 1176 values against 16 rows of 1176 tokens)."""
+    if isinstance(tokens, tuple) and len(tokens) == 2:
+        return boundaries.describes(*tokens)
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2 or (tokens.ndim == 2 and tokens.is_floating_point()):
+        return False
+    return boundaries.describes(*tokens.shape[:2])
+
