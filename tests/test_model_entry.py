@@ -209,3 +209,27 @@ def test_introspection_and_an_empty_batch_read_as_stock() -> None:
         except RuntimeError:
             outcomes.append("RuntimeError")
     assert outcomes[0] == outcomes[1], outcomes
+
+
+class _CountingStack(list):
+    """The per-thread boundary stack, counting what is pushed on it."""
+
+    pushes = 0
+
+    def append(self, entry: object) -> None:
+        self.pushes += 1
+        super().append(entry)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "mamba2", "lfm2"])
+def test_a_packed_forward_pushes_its_boundaries_once(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One boundary object per forward, put in effect once: the decoder layers, the backbone inside the head model
+    and the native mixer calls that run on it push nothing, and the stack is empty again afterwards."""
+    from packfree_plugin.forward import context
+
+    model, _ = fresh_pair(model_type)
+    batch = packed_row([torch.tensor(s) for s in samples_of(LENGTHS)])
+    stack = _CountingStack()
+    monkeypatch.setattr(context._STACK, "items", stack)
+    model(**batch).logits.sum().backward()
+    assert (stack.pushes, list(stack)) == (1, [])

@@ -1,7 +1,8 @@
 """The per-thread stack of boundaries: what every consumer that transformers' ``**kwargs`` do not reach (a mixer, a
 position module, a mask or attention function, a routed kernel) reads, through :func:`boundaries_here` and
 :func:`native_call`. The entries that fill it (a model forward, a decoder layer, its gradient-checkpoint
-recomputation) live in :mod:`.model_entry`; a native mixer call pushes a :class:`NativeCall` (:mod:`.adapters.routes`).
+recomputation) live in :mod:`.hook`; a native mixer call stands beside the stack as a :class:`NativeCall`
+(:mod:`packfree_plugin.adapters.routes`).
 
 The stack lives on a ``threading.local`` rather than in a ``ContextVar``: Dynamo traces reads and pushes
 of the former and breaks the graph on the latter, and these reads happen in every layer.
@@ -21,43 +22,49 @@ __all__ = [
     "NativeCall",
     "boundaries_here",
     "current",
+    "enter_layer",
     "enter_native",
     "exit_native",
     "fits",
     "in_prepared_forward",
     "is_prepared",
+    "leave_layer",
     "mark_prepared",
     "native_call",
     "pop",
     "push",
+    "push_unless_on_top",
 ]
 
 
 class NativeCall:
-    """One native-tier mixer call in progress: its boundaries, and how many kernel calls it routed."""
+    """One native-tier mixer call in progress: its boundaries, and how many kernel calls it routed. It stands beside
+    the stack, not on it: the boundaries it runs on are the stack's top (pushed only where they differ)."""
 
-    def __init__(self, boundaries: Boundaries, layer_name: str) -> None:
+    def __init__(self, boundaries: Boundaries, layer_name: str, *, depth: int, outer: NativeCall | None,
+                 pushed: bool) -> None:
         self.boundaries = boundaries
         self.layer_name = layer_name
         self.routed = 0
+        self.depth = depth
+        self.outer = outer
+        self.pushed = pushed
 
 
 class _PerThread(threading.local):
     def __init__(self) -> None:
-        self.items: list[Boundaries | NativeCall | None] = []
+        self.items: list[Boundaries | None] = []
+        self.layers_pushed: list[bool] = []
+        self.native: NativeCall | None = None
 
 
 _STACK = _PerThread()
-"""The one per-thread stack: the boundaries of the model forward, decoder layer or native mixer call in
-progress (None: a call that packs nothing, e.g. decoding)."""
+"""The one per-thread stack: the boundaries of the model forward (or of a decoder layer or nested model whose
+boundaries differ from the enclosing one's) in progress (None: a call that packs nothing, e.g. decoding); beside it,
+the native mixer call in progress and which hooked layers pushed."""
 
 
-def _top() -> Boundaries | NativeCall | None:
-    items = _STACK.items
-    return items[-1] if items else None
-
-
-def push(entry: Boundaries | NativeCall | None) -> None:
+def push(entry: Boundaries | None) -> None:
     """Push an entry (pair with :func:`pop` in a ``finally``)."""
     _STACK.items.append(entry)
 
@@ -67,10 +74,31 @@ def pop() -> None:
     _STACK.items.pop()
 
 
+def push_unless_on_top(entry: Boundaries | None) -> bool:
+    """Push ``entry`` unless it is already in effect (the top of a non-empty stack); returns whether it pushed. A
+    forward pushes its boundaries once: the layers and nested models that run on the same ones push nothing."""
+    items = _STACK.items
+    if items and items[-1] is entry:
+        return False
+    items.append(entry)
+    return True
+
+
+def enter_layer(boundaries: Boundaries | None) -> None:
+    """A hooked decoder layer starts on ``boundaries`` (pair with :func:`leave_layer`, which module hooks call even
+    when the layer raised)."""
+    _STACK.layers_pushed.append(push_unless_on_top(boundaries))
+
+
+def leave_layer() -> None:
+    if _STACK.layers_pushed.pop():
+        pop()
+
+
 def current() -> Boundaries | None:
     """The boundaries in effect on this thread (None outside a packfree forward, or while decoding)."""
-    top = _top()
-    return top.boundaries if isinstance(top, NativeCall) else top
+    items = _STACK.items
+    return items[-1] if items else None
 
 
 def in_prepared_forward() -> bool:
@@ -118,20 +146,25 @@ def boundaries_here(kwargs: dict[str, Any] | None = None, *, rows: Any = _ANY_RO
 
 
 def native_call() -> NativeCall | None:
-    """The native mixer call in progress on this thread, if the innermost entry is one."""
-    top = _top()
-    return top if isinstance(top, NativeCall) else None
+    """The native mixer call in progress on this thread, unless something inside it put other boundaries in
+    effect."""
+    call = _STACK.native
+    return call if call is not None and call.depth == len(_STACK.items) else None
 
 
 def enter_native(boundaries: Boundaries, layer_name: str) -> NativeCall:
-    """Start a native mixer call (pair with :func:`exit_native` in a ``finally``)."""
-    call = NativeCall(boundaries, layer_name)
-    push(call)
+    """Start a native mixer call on ``boundaries`` (pair with :func:`exit_native` in a ``finally``)."""
+    pushed = push_unless_on_top(boundaries)
+    call = NativeCall(boundaries, layer_name, depth=len(_STACK.items), outer=_STACK.native, pushed=pushed)
+    _STACK.native = call
     return call
 
 
 def exit_native() -> None:
-    pop()
+    call = _STACK.native
+    _STACK.native = call.outer
+    if call.pushed:
+        pop()
 
 
 def fits(boundaries: Boundaries, tokens: Any) -> bool:

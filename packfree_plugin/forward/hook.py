@@ -5,19 +5,22 @@ Each ``PreTrainedModel`` packfree prepares gets one forward of its own on the in
 call all run the same steps, in this order:
 
 1. **enter**: :func:`enter_model` reads the batch (or takes the boundaries given or inherited) and pushes
-   them: the cache switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE
-   refusal, the checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
+   them, once per forward (a nested model or decoder layer on the same boundaries pushes nothing): the cache
+   switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE refusal, the
+   checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
 2. **the steps other layers add**, in the order added (:func:`add_step`): the per-sample decoder inputs of
-   :mod:`.adapters.decoder_inputs`, the sequence-parallel shard of :mod:`.parallel.prepare`;
-3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`, :mod:`.adapters.heads`), else the
+   :mod:`packfree_plugin.adapters.decoder_inputs`, the sequence-parallel shard of :mod:`packfree_plugin.parallel.setup`;
+3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`,
+   :mod:`packfree_plugin.adapters.task_heads`), else the
    model's own forward (one set on the instance before packfree's, such as accelerate's hooks, else its class's);
-4. **leave**: pop what enter pushed, even when a step or the forward raised.
+4. **leave**: pop what enter pushed, if anything, even when a step or the forward raised.
 
 ``inspect.signature(model.forward)`` is the model's own forward's (Trainer's column filter and ``generate`` read
 it). The class's ``forward`` is never patched, so a stock model of the same class (the gate's twin) runs untouched;
 a deep copy or a pickled model binds its entry to itself. Decoder layers keep module hooks
-(:func:`hook_layers`): their models always call them through ``__call__``; a layer's pre-hook pushes the boundaries it
-was called with for the mixers inside, and its gradient-checkpointing function carries them into the recomputation.
+(:func:`hook_layers`): their models always call them through ``__call__``; a layer's pre-hook puts the boundaries it
+was called with in effect for the mixers inside (pushing only where they differ from the forward's), and its
+gradient-checkpointing function carries them into the recomputation.
 
 Nested models (a backbone inside ``...ForCausalLM``) take the enclosing model's boundaries through their
 kwargs, or from the stack when they are called with the same tokens and ``use_cache=False``; only the
@@ -45,13 +48,14 @@ from torch import nn
 
 from .reading import boundaries_for_call, tokens_of
 from ..boundaries import Boundaries, Seq2SeqBoundaries
-from .context import boundaries_here, current, fits, in_prepared_forward, mark_prepared, pop, push
+from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
+                      pop, push, push_unless_on_top)
 from .rope_ids import check_rope_ids
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .signature import class_forward_parameters, without_cache
 
 __all__ = ["ModelForward", "add_read_check", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers",
-           "leave_model", "leave_targets_to_a_step", "remove_model_hook", "set_call", "unhook_layers"]
+           "leave_targets_to_a_step", "remove_model_hook", "set_call", "unhook_layers"]
 
 Step = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
 """``(model, args, kwargs) -> (args, kwargs)`` (None: unchanged), run after enter with the boundaries pushed."""
@@ -98,7 +102,7 @@ def _own_forward(model: nn.Module) -> Callable:
 
 def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of every prepared model (the steps of the module docstring)."""
-    args, kwargs = enter_model(model, args, kwargs)
+    args, kwargs, pushed = enter_model(model, args, kwargs)
     try:
         for step in model.__dict__.get(_STEPS, ()):
             changed = step(model, args, kwargs)
@@ -109,7 +113,8 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return call(model, _own_forward(model), *args, **kwargs)
         return _own_forward(model)(*args, **kwargs)
     finally:
-        leave_model()
+        if pushed:
+            pop()
 
 
 def has_entry(model: nn.Module) -> bool:
@@ -195,9 +200,10 @@ def remove_model_hook(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------ model entry
-def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Push this forward's boundaries (exactly one entry when it returns, none when it raises; pair it with
-    :func:`leave_model`) and return the call's arguments as the model's forward must see them. Run by every prepared
+def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """Put this forward's boundaries in effect and return the call's arguments as the model's forward must see them,
+    and whether it pushed them (a nested model on its parent's boundaries pushes nothing; pop what it pushed after
+    the call; it pushes nothing when it raises). Run by every prepared
     model's forward (:func:`model_forward`). Traced by torch.compile, without reading the batch: boundaries passed
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
@@ -210,8 +216,7 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         kwargs = {**kwargs, "attention_mask": None}
         if class_forward_parameters(type(module)).var_keyword is None:
             _check_given(mask, _call_tokens(args, kwargs))
-            push(mask)
-            return args, kwargs
+            return args, kwargs, push_unless_on_top(mask)
         kwargs.setdefault("packfree_boundaries", mask)
     boundaries = kwargs.get("packfree_boundaries")
     if boundaries is not None:
@@ -224,18 +229,11 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         _check_given(boundaries, tokens)
         if not in_prepared_forward():  # built ahead by the caller, whose ids these are
             boundaries.callers_position_ids = kwargs.get("position_ids")
-        push(boundaries)
-        return args, kwargs
+        return args, kwargs, push_unless_on_top(boundaries)
     boundaries = _parent_boundaries(args, kwargs)
     if boundaries is None:
         return _read_batch(module, args, kwargs)
-    push(boundaries)
-    return args, kwargs
-
-
-def leave_model() -> None:
-    """Pop what :func:`enter_model` pushed."""
-    pop()
+    return args, kwargs, push_unless_on_top(boundaries)
 
 
 def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -279,8 +277,9 @@ def _parent_boundaries(args: tuple, kwargs: dict) -> Boundaries | None:
 
 
 @torch.compiler.disable  # host-side reading of the batch: at most one graph break per forward, no guards on it
-def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Build the boundaries from the call's inputs and push them (nothing is pushed when the inputs are refused)."""
+def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """Build the boundaries from the call's inputs and put them in effect (nothing is pushed when the inputs are
+    refused); returns the arguments and whether it pushed."""
     outer = current()
     if module.training and torch.is_grad_enabled():
         _carry_in_layers(module)
@@ -314,21 +313,20 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     if boundaries is not None:
         for check in _READ_CHECKS:
             check(boundaries)
-    push(boundaries)
-    return args, kwargs
+    return args, kwargs, push_unless_on_top(boundaries)
 
 
 # ------------------------------------------------------------------------------------ layer hooks
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Pop what the decoder-layer pre-hook pushed (runs even when the forward raised)."""
-    pop()
+    """Pop what the decoder-layer pre-hook pushed, if anything (runs even when the forward raised)."""
+    leave_layer()
 
 
 def _layer_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Decoder layers push the boundaries they were called with for the mixers inside, and make their
-    gradient-checkpointing function carry them into the recomputation that backward runs. Traced by
-    torch.compile: nothing here reads tensors or breaks the graph."""
-    push(boundaries_here(kwargs))
+    """Decoder layers put the boundaries they were called with in effect for the mixers inside (pushed only where
+    they differ from the forward's), and make their gradient-checkpointing function carry them into the
+    recomputation that backward runs. Traced by torch.compile: nothing here reads tensors or breaks the graph."""
+    enter_layer(boundaries_here(kwargs))
     # transformers sets it on the instance; a missing attribute through nn.Module.__getattr__ costs every layer
     checkpoint = module.__dict__.get("_gradient_checkpointing_func")
     if checkpoint is not None and not hasattr(checkpoint, _CARRIES_ATTR):
