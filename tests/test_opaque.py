@@ -1,4 +1,4 @@
-"""``packfree::boundary_function``, the custom op compiled graphs call: for every registered function, the op's
+"""``packfree::<name>``, the custom ops compiled graphs call: for every declared boundary function, the op's
 forward and its recomputing backward equal the direct call, and ``torch.library.opcheck`` accepts it (schema,
 autograd registration, fake tensors with the real layout, AOT dispatch with dynamic shapes). Inputs are
 non-contiguous, as transformers' layers hand them over."""
@@ -96,15 +96,15 @@ def _attention(dropout: float) -> Callable[[], tuple[tuple, dict]]:
 
 
 CASES = {
-    "packfree.causal_conv1d": _conv,
-    "packfree.chunk_gated_delta_rule": _delta_rule(key_decay=False),
-    "packfree.chunk_kda": _delta_rule(key_decay=True),
-    "packfree.ssd_chunk_scan": _ssd,
-    "packfree.selective_scan": _selective_scan,
-    "packfree.decay_linear_attention": _decay_linear_attention,
-    "packfree.rg_lru": _rg_lru,
-    "packfree.packed_attention": _attention(dropout=0.0),
-    "packfree.packed_attention with dropout": _attention(dropout=0.3),
+    "causal_conv1d": _conv,
+    "chunk_gated_delta_rule": _delta_rule(key_decay=False),
+    "chunk_kda": _delta_rule(key_decay=True),
+    "ssd_chunk_scan": _ssd,
+    "selective_scan": _selective_scan,
+    "decay_linear_attention": _decay_linear_attention,
+    "rg_lru": _rg_lru,
+    "packed_attention": _attention(dropout=0.0),
+    "packed_attention with dropout": _attention(dropout=0.3),
 }
 
 
@@ -112,8 +112,8 @@ def _registered(case: str) -> str:
     return case.split(" with ")[0]
 
 
-def test_every_registered_function_has_a_case() -> None:
-    assert {_registered(case) for case in CASES} == set(opaque._FUNCTIONS)
+def test_every_declared_op_has_a_case() -> None:
+    assert {_registered(case) for case in CASES} == set(opaque.declared_ops())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -125,28 +125,48 @@ def test_op_forward_and_recomputed_backward_match_the_direct_call(case: str) -> 
     wrt = [t.requires_grad_() for t in tensors if t is not None and t.is_floating_point()]
     boundaries = _boundaries()
     direct_options = {k: v for k, v in options.items() if k != "rows"}
-    direct = opaque._FUNCTIONS[name].run(boundaries, *tensors, **direct_options)
+    declared = opaque.declared(name)
+    direct = declared.run(boundaries, *tensors, **direct_options)
     if direct_options.get("dropout"):
-        undropped = opaque._FUNCTIONS[name].run(boundaries, *tensors, **{**direct_options, "dropout": 0.0})
+        undropped = declared.run(boundaries, *tensors, **{**direct_options, "dropout": 0.0})
         assert (direct - undropped).abs().max() > 1e-3, "dropout had no effect"
     weights = torch.randn(direct.shape, generator=torch.Generator().manual_seed(9), dtype=F64)
     expected_grads = torch.autograd.grad((direct * weights).sum(), wrt)
 
-    arguments = opaque.op_arguments(name, boundaries, *tensors, **options)
-    through_op = torch.ops.packfree.boundary_function(*arguments)
+    rows = options.pop("rows", tensors[0].shape[:2])
+    arguments = (*tensors, boundaries.host_offsets, boundaries.host_padding, *rows)
+    through_op = declared.op(*arguments, **options)
     grads = torch.autograd.grad((through_op * weights).sum(), wrt)
     assert_close(through_op, direct, what=f"{name} forward")
     for index, (grad, expected) in enumerate(zip(grads, expected_grads)):
         assert_close(grad, expected, what=f"{name} gradient of input {index}")
-    torch.library.opcheck(torch.ops.packfree.boundary_function.default, arguments)
+    torch.library.opcheck(declared.op.default, arguments, options)
 
 
-def test_options_round_trip_through_the_encoding() -> None:
-    options = dict(a=None, b=True, c=3, d=-1.5, e="silu", f=[0.0, float("inf"), -float("inf")], g=(1, 2))
-    _, _, _, _, _, _, encoded = opaque.op_arguments("packfree.causal_conv1d", _boundaries(), torch.zeros(B, T),
-                                                    None, **options)
-    tensors, decoded = opaque._decode([torch.zeros(B, T), torch.zeros(0)], encoded)
-    assert decoded == options and tensors[1] is None
+def test_each_op_schema_is_its_declared_signature() -> None:
+    """The op's arguments are the function's tensors, the boundaries' four, then its options, keyword-only; its
+    layout (where declared) names every tensor."""
+    for name, declared in opaque.declared_ops().items():
+        schema = declared.op.default._schema
+        positional = [a.name for a in schema.arguments if not a.kwarg_only]
+        keywords = [a.name for a in schema.arguments if a.kwarg_only]
+        assert positional == [*declared.tensors, "host_offsets", "host_padding", "batch_size", "seq_len"], name
+        assert keywords == list(declared.options), name
+        assert declared.layout is None or len(declared.layout.inputs) == len(declared.tensors), name
+
+
+def test_a_declaration_that_cannot_be_a_schema_is_refused() -> None:
+    def unannotated(boundaries: Boundaries, x, *, scale: float) -> torch.Tensor:
+        return x
+
+    def misshaped(boundaries: Boundaries, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises(KeyError):
+        opaque.boundary_op("test_unannotated")(unannotated)
+    with pytest.raises(ValueError, match="layout names 1 tensors"):
+        opaque.boundary_op("test_misshaped", layout=opaque.Layout((opaque.TOKENS,), opaque.TOKENS))(misshaped)
+    assert "test_unannotated" not in opaque.declared_ops() and "test_misshaped" not in opaque.declared_ops()
 
 
 def test_attention_dropout_follows_its_seed_not_the_global_generator() -> None:
@@ -155,7 +175,7 @@ def test_attention_dropout_follows_its_seed_not_the_global_generator() -> None:
     and its backward's recomputation would draw different masks.)"""
     tensors, options = _attention(dropout=0.3)()
     options = {k: v for k, v in options.items() if k != "rows"}
-    run = opaque._FUNCTIONS["packfree.packed_attention"].run
+    run = opaque.declared("packed_attention").run
     q, k, v, sinks, _ = tensors
     torch.manual_seed(1)
     first = run(_boundaries(), q, k, v, sinks, torch.tensor(1234), **options)

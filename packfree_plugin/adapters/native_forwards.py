@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ops import opaque
 from ..boundaries import Boundaries
-from ..ops.opaque import boundary_function
+from ..ops.opaque import PARAMS, TOKENS, Layout, boundary_op
 
 __all__ = ["lightning_forward", "rg_lru_forward"]
 
@@ -32,7 +32,7 @@ def _like_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__
     return torch.empty_like(v)
 
 
-@boundary_function("packfree.decay_linear_attention", output=_like_value)
+@boundary_op("decay_linear_attention", layout=Layout((TOKENS,) * 3 + (PARAMS,), TOKENS), output=_like_value)
 def _decay_linear_attention(boundaries: Boundaries, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, *, scale: float) -> torch.Tensor:
     """``q/k/v [B, T, H, D]``, ``log_decay [H]`` (a constant per-head log decay) -> ``[B, T, H, D]``."""
@@ -57,13 +57,13 @@ def lightning_forward(layer: nn.Module, original: Any, boundaries: Boundaries, a
     qkv = layer.act_fn(layer.qkv_proj(hidden)).reshape(batch, seq_len, heads, 3 * head_dim)
     query, key, value = torch.split(qkv, head_dim, dim=3)
     log_decay = -layer.slope_rate.reshape(heads).to(torch.float32 if hidden.dtype != torch.float64 else hidden.dtype)
-    out = opaque.call("packfree.decay_linear_attention", boundaries, query, key, value, log_decay, scale=1.0)
+    out = opaque.call("decay_linear_attention", boundaries, query, key, value, log_decay, scale=1.0)
     out = layer.norm(out.reshape(batch, seq_len, heads * head_dim))
     out = torch.sigmoid(layer.output_gate(hidden)) * out
     return layer.out_proj(out), None
 
 
-@boundary_function("packfree.rg_lru")
+@boundary_op("rg_lru", layout=Layout((TOKENS,) * 3, TOKENS))
 def _rg_lru(boundaries: Boundaries, x: torch.Tensor, input_gate: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
     """RecurrentGemma's RG-LRU scan from a zero state at every segment start: ``x``, ``input_gate``, ``log_decay``
     ``[B, T, D]`` -> ``[B, T, D]`` in ``x``'s dtype. Stock's input normalisation ``sqrt(1 - a^2)`` (with its
@@ -94,7 +94,7 @@ def rg_lru_forward(layer: nn.Module, original: Any, boundaries: Boundaries, argu
     y_branch = layer.act_fn(layer.linear_y(hidden))
     x_branch = layer.linear_x(hidden)
     conv = layer.conv_1d
-    x_branch = opaque.call("packfree.causal_conv1d", boundaries, x_branch, conv.weight[:, 0, :], conv.bias,
+    x_branch = opaque.call("causal_conv1d", boundaries, x_branch, conv.weight[:, 0, :], conv.bias,
                            activation=None)
 
     lru = layer.rg_lru
@@ -105,5 +105,5 @@ def rg_lru_forward(layer: nn.Module, original: Any, boundaries: Boundaries, argu
     recurrent_gate = torch.sigmoid(torch.baddbmm(lru.recurrent_gate_bias[:, None, :], blocks,
                                                  lru.recurrent_gate_weight).transpose(0, 1).reshape(batch, seq_len, width))
     log_decay = -8.0 * recurrent_gate * nn.functional.softplus(lru.recurrent_param)
-    states = opaque.call("packfree.rg_lru", boundaries, x_branch, input_gate, log_decay)
+    states = opaque.call("rg_lru", boundaries, x_branch, input_gate, log_decay)
     return layer.linear_out(states * y_branch), None

@@ -38,7 +38,7 @@ from ..boundaries import Boundaries
 from ..classes import routed_functions
 from ..forward.context import NativeCall, enter_native, exit_native, native_call
 from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
-from ..ops.opaque import boundary_function
+from ..ops.opaque import CHANNELS, GROUPS, PARAMS, SHARED, TOKENS, Layout, boundary_op
 
 __all__ = ["OPTIONAL_KERNELS", "PackfreeRoutes", "ROUTED_KERNELS", "install_routes", "is_routed", "may_reach_kernels",
            "native_forward", "uninstall_routes"]
@@ -50,7 +50,7 @@ _ROUTED_ATTR = "_packfree_routed_original"
 # Each route adapts a transformers kernel's call convention to a packfree op, called through
 # ``opaque.call`` so compiled graphs get it as one custom op that takes the boundaries as data.
 
-@boundary_function("packfree.causal_conv1d")
+@boundary_op("causal_conv1d", layout=Layout((TOKENS, PARAMS, PARAMS), TOKENS))
 def _conv_op(boundaries: Boundaries, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
              activation: str | None) -> torch.Tensor:
     """``x [B, T, C]``, ``weight [C, K]`` -> ``[B, T, C]``."""
@@ -63,7 +63,7 @@ def _conv_op(boundaries: Boundaries, x: torch.Tensor, weight: torch.Tensor, bias
 def _conv(call: NativeCall, hidden_states, weight, bias=None, activation=None, **_: Any):
     """transformers' ``causal_conv1d_fn``: ``[B, C, T]`` in and out."""
     x = hidden_states.to(weight.dtype).transpose(1, 2)
-    out = opaque.call("packfree.causal_conv1d", call.boundaries, x, weight, bias, activation=activation)
+    out = opaque.call("causal_conv1d", call.boundaries, x, weight, bias, activation=activation)
     return out.transpose(1, 2).to(hidden_states.dtype)
 
 
@@ -77,8 +77,9 @@ def _like_value(query, key, value, *_: Any, **__: Any) -> torch.Tensor:
     return torch.empty_like(value)
 
 
-@boundary_function("packfree.chunk_gated_delta_rule", output=_like_value)
-def _gated_delta_op(boundaries: Boundaries, query, key, value, g, beta, *, scale: float | None,
+@boundary_op("chunk_gated_delta_rule", layout=Layout((TOKENS,) * 5, TOKENS), output=_like_value)
+def _gated_delta_op(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor, *, scale: float | None,
                     use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
     """``q/k [B, T, H, K]``, ``v [B, T, H, V]``, ``g/beta [B, T, H]`` -> ``[B, T, H, V]``."""
     from ..ops.gated_delta import chunk_gated_delta_rule
@@ -87,9 +88,9 @@ def _gated_delta_op(boundaries: Boundaries, query, key, value, g, beta, *, scale
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-@boundary_function("packfree.chunk_kda", output=_like_value)
-def _kda_op(boundaries: Boundaries, q, k, v, g, beta, *, scale: float | None,
-            use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+@boundary_op("chunk_kda", layout=Layout((TOKENS,) * 5, TOKENS), output=_like_value)
+def _kda_op(boundaries: Boundaries, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, *, scale: float | None, use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
     """``q/k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]``, ``beta [B, T, H]`` -> ``[B, T, H, V]``."""
     from ..ops.gated_delta import chunk_kda
 
@@ -114,7 +115,7 @@ def _gated_delta(call: NativeCall, query, key, value, g, beta, chunk_size=64, in
                  output_final_state=False, use_qk_l2norm_in_kernel=False, scale=None, **_: Any):
     _refuse_state(call, "chunk_gated_delta_rule", initial_state=initial_state, output_final_state=output_final_state)
     query, key = _value_heads(query, key, value)
-    return opaque.call("packfree.chunk_gated_delta_rule", call.boundaries, query, key, value, g, beta, scale=scale,
+    return opaque.call("chunk_gated_delta_rule", call.boundaries, query, key, value, g, beta, scale=scale,
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
@@ -122,7 +123,7 @@ def _kda(call: NativeCall, q, k, v, g, beta, scale=None, initial_state=None, out
          use_qk_l2norm_in_kernel=False, **_: Any):
     _refuse_state(call, "chunk_kda", initial_state=initial_state, output_final_state=output_final_state)
     q, k = _value_heads(q, k, v)
-    return opaque.call("packfree.chunk_kda", call.boundaries, q, k, v, g, beta, scale=scale,
+    return opaque.call("chunk_kda", call.boundaries, q, k, v, g, beta, scale=scale,
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel), None
 
 
@@ -134,9 +135,10 @@ def _value_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     return query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
 
 
-@boundary_function("packfree.ssd_chunk_scan")
-def _ssd_op(boundaries: Boundaries, x, dt, A, B, C, D, z, dt_bias, *, chunk_size: int, dt_softplus: bool,
-            dt_limit: list[float]) -> torch.Tensor:
+@boundary_op("ssd_chunk_scan", layout=Layout((TOKENS, TOKENS, PARAMS, GROUPS, GROUPS, PARAMS, TOKENS, PARAMS), TOKENS))
+def _ssd_op(boundaries: Boundaries, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+            C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None, *,
+            chunk_size: int, dt_softplus: bool, dt_limit: list[float]) -> torch.Tensor:
     """``x [B, T, H, P]`` -> ``[B, T, H, P]``."""
     from ..ops.ssd import ssd_chunk_scan
 
@@ -150,14 +152,16 @@ def _ssd(call: NativeCall, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bi
     _refuse_state(call, "mamba_chunk_scan_combined", initial_states=initial_states,
                   return_final_states=return_final_states)
     # contiguous: callers .view() the result, as mamba-ssm allows
-    return opaque.call("packfree.ssd_chunk_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, dt_bias,
+    return opaque.call("ssd_chunk_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, dt_bias,
                        chunk_size=int(chunk_size), dt_softplus=bool(dt_softplus),
                        dt_limit=[float(v) for v in dt_limit])
 
 
-@boundary_function("packfree.selective_scan")
-def _selective_scan_op(boundaries: Boundaries, u, delta, A, B, C, D, z, delta_bias, *,
-                       delta_softplus: bool) -> torch.Tensor:
+@boundary_op("selective_scan", layout=Layout(
+    (CHANNELS, CHANNELS, PARAMS, SHARED, SHARED, PARAMS, CHANNELS, PARAMS), CHANNELS))
+def _selective_scan_op(boundaries: Boundaries, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor,
+                       B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None,
+                       delta_bias: torch.Tensor | None, *, delta_softplus: bool) -> torch.Tensor:
     """``u [B, D, T]`` -> ``[B, D, T]``."""
     from ..ops.selective_scan import selective_scan
 
@@ -169,7 +173,7 @@ def _selective_scan(call: NativeCall, hidden_states, dt, A, B, C, D=None, z=None
                     delta_softplus=False, return_last_state=False, **_: Any):
     """transformers' ``selective_scan_fn``: ``u [B, D, T]``."""
     _refuse_state(call, "selective_scan_fn", return_last_state=return_last_state)
-    return opaque.call("packfree.selective_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, delta_bias,
+    return opaque.call("selective_scan", call.boundaries, hidden_states, dt, A, B, C, D, z, delta_bias,
                        delta_softplus=bool(delta_softplus), rows=(hidden_states.shape[0], hidden_states.shape[2]))
 
 

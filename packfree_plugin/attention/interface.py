@@ -23,7 +23,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here, in_prepared_forward, is_prepared
 from ..forward.keywords import BOUNDARY_KWARGS
-from ..ops.opaque import boundary_function
+from ..ops.opaque import boundary_op
 from .masks import PER_SAMPLE_MASK
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
@@ -79,7 +79,7 @@ def run_packed_attention(
     if torch.compiler.is_compiling():
         dropout = options.dropout if training else 0.0
         seed = torch.randint(2**62, (), dtype=torch.int64) if dropout > 0 else None
-        return opaque.call("packfree.packed_attention", boundaries, query, key, value, options.sinks, seed,
+        return opaque.call("packed_attention", boundaries, query, key, value, options.sinks, seed,
                            scale=options.scale, causal=options.causal, window=options.window, softcap=options.softcap,
                            dropout=dropout, chunk=options.chunk, training=training, backend=backend,
                            rows=(batch, seq_len))
@@ -102,7 +102,7 @@ def _attention_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return query.new_empty(batch, seq_len, heads, value.shape[-1])
 
 
-@boundary_function("packfree.packed_attention", output=_attention_output)
+@boundary_op("packed_attention", output=_attention_output)
 def _packed_attention_function(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                sinks: torch.Tensor | None, seed: torch.Tensor | None, *, scale: float, causal: bool,
                                window: int | None, softcap: float | None, dropout: float, chunk: int | None,

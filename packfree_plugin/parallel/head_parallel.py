@@ -6,7 +6,8 @@ sequence -> heads (this rank gets the whole row for ``H/P`` heads), packfree's o
 row's boundaries, all-to-all heads -> sequence. Per-head parameters are sliced to this rank's heads (their gradient
 reaches the full parameter, zero outside the slice; summed over the group it is one process's gradient).
 
-:data:`LAYOUTS` says, for each op of :mod:`packfree_plugin.adapters.routes`, what each tensor argument is.
+Each op's :class:`~packfree_plugin.ops.opaque.Layout`, declared once with the op
+(:func:`~packfree_plugin.ops.opaque.boundary_op`), says what each of its tensor arguments is.
 """
 
 from __future__ import annotations
@@ -16,35 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..ops.opaque import CHANNELS, GROUPS, PARAMS, TOKENS, declared
 from .exchange import gather_sequence, heads_to_sequence, sequence_to_heads
 
 if TYPE_CHECKING:
     from .shard import SequenceShard
 
-__all__ = ["LAYOUTS", "run_head_parallel", "sequence_parallel_call"]
-
-TOKENS = "tokens"
-"""``[B, T, H, ...]`` (or ``[B, T, C]``): split by heads (dim 2) after gathering the row (dim 1)."""
-CHANNELS = "channels"
-"""``[B, C, T]``: split by channels (dim 1) after gathering the row (dim 2)."""
-PARAMS = "params"
-"""``[H, ...]`` per-head (or per-channel) parameters: this rank's slice."""
-GROUPS = "groups"
-"""``[B, T, G, N]`` head groups (Mamba2's B/C): the whole row, the groups this rank's heads read."""
-SHARED = "shared"
-"""``[B, N, T]`` or ``[B, G, N, T]`` (Mamba1's B/C): the whole row; grouped ones cut to this rank's groups."""
-
-LAYOUTS: dict[str, tuple[tuple[str, ...], str]] = {
-    # op name: (what each tensor argument is, what the output is)
-    "packfree.causal_conv1d": ((TOKENS, PARAMS, PARAMS), TOKENS),  # x, weight [C, K], bias [C]
-    "packfree.chunk_gated_delta_rule": ((TOKENS,) * 5, TOKENS),  # q, k, v, g, beta
-    "packfree.chunk_kda": ((TOKENS,) * 5, TOKENS),
-    "packfree.ssd_chunk_scan": ((TOKENS, TOKENS, PARAMS, GROUPS, GROUPS, PARAMS, TOKENS, PARAMS), TOKENS),
-    # u, delta, A [D, N], B, C, D [D], z, delta_bias [D]
-    "packfree.selective_scan": ((CHANNELS, CHANNELS, PARAMS, SHARED, SHARED, PARAMS, CHANNELS, PARAMS), CHANNELS),
-    "packfree.decay_linear_attention": ((TOKENS,) * 3 + (PARAMS,), TOKENS),  # MiniMax: q, k, v, log_decay [H]
-    "packfree.rg_lru": ((TOKENS,) * 3, TOKENS),  # RecurrentGemma: x, input_gate, log_decay [B, T, D], per channel
-}
+__all__ = ["run_head_parallel", "sequence_parallel_call"]
 
 _DIMS = {TOKENS: (1, 2), CHANNELS: (2, 1)}  # role -> (sequence dim, head dim)
 
@@ -67,12 +46,13 @@ def run_head_parallel(shard: SequenceShard, name: str, function: Callable[..., t
     """Run the boundary op ``name`` (``function(boundaries, *tensors, **options)``) of a shard's mixer on the whole
     row for this rank's heads; returns the shard's output for all heads. Raises ``ValueError`` (in the forward) when
     the op has no head-parallel layout or its heads do not split over the group."""
-    if name not in LAYOUTS:
+    layout = declared(name).layout
+    if layout is None:
         raise ValueError(
             f"{layer}: packfree has no head-parallel route for {name} on a sequence-parallel shard; train this model "
             "with data parallelism (DDP/FSDP), one packed row per rank"
         )
-    roles, output = LAYOUTS[name]
+    roles, output = layout.inputs, layout.output
     group, world, rank = shard.group, shard.world_size, shard.rank
     seq_dim, head_dim = _DIMS[roles[0]]
     heads = tensors[0].shape[head_dim]

@@ -33,7 +33,7 @@ __all__ = ["check_splittable", "layout_of", "prepare_sequence_parallel"]
 
 _HOOK_ATTR = "_packfree_sequence_parallel"
 HEAD_PARALLEL_FORWARDS = (native_forward, lightning_forward, rg_lru_forward)
-"""Adapter forwards whose every token-mixing step is a routed op with a head-parallel layout (:data:`.heads.LAYOUTS`):
+"""Adapter forwards whose every token-mixing step is a routed op with a head-parallel layout (a :class:`~packfree_plugin.ops.opaque.Layout`):
 the native tier's routes, MiniMax's lightning attention, RecurrentGemma's conv + RG-LRU."""
 
 

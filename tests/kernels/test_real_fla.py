@@ -24,8 +24,8 @@ H, K, V = 2, 16, 16
 FAMILIES = {
     # family: (packfree op, naive reference, fla module and function, per-channel decay, route name)
     "gdn": (chunk_gated_delta_rule, naive_gated_delta_rule, ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
-            False, "packfree.chunk_gated_delta_rule"),
-    "kda": (chunk_kda, naive_kda, ("fla.ops.kda", "chunk_kda"), True, "packfree.chunk_kda"),
+            False, "chunk_gated_delta_rule"),
+    "kda": (chunk_kda, naive_kda, ("fla.ops.kda", "chunk_kda"), True, "chunk_kda"),
 }
 CROSSING = [1, 70, 5]
 """fla's chunk is 64 tokens: a one-token sample, one crossing a chunk boundary, one starting inside the second chunk."""

@@ -95,7 +95,7 @@ def test_padding_spans_through_the_mixer_route(spy):
     seq_len = 40
     boundaries = boundaries_of([[(3, False), (30, False), (7, True)], [(1, False), (20, False), (19, True)]])
     x = make_inputs(2, seq_len, seed=4)
-    y = opaque.call("packfree.ssd_chunk_scan", boundaries, x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], x["z"],
+    y = opaque.call("ssd_chunk_scan", boundaries, x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], x["z"],
                     x["dt_bias"], chunk_size=CHUNK, dt_softplus=True, dt_limit=[0.0, math.inf])
     args, kwargs = calls.only()
     assert torch.equal(kwargs["seq_idx"], boundaries.seq_idx)
