@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy
 import torch
 
-__all__ = ["Boundaries", "Seq2SeqBoundaries", "id_starts"]
+__all__ = ["Boundaries", "Seq2SeqBoundaries", "id_starts", "kept_form", "memo"]
 
 _Form = TypeVar("_Form")
 
@@ -53,6 +53,34 @@ def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
         raise ValueError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but the inputs are on {device}; move it to {device}")
+
+
+_MEMO_ATTR = "_packfree_memo"
+
+
+def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build: Callable[[], _Form]) -> _Form:
+    """``build()``, kept on ``holder`` under ``name`` while ``key`` stays what it was: the one cache of what packfree
+    derives from boundaries, built once per forward rather than once per layer.
+
+    ``holder`` is a :class:`Boundaries` (its device forms, the portable attention's sample groups), or a boundary
+    tensor every layer of a forward passes (``seq_idx`` / ``cu_seqlens`` given to an op directly; the value is
+    freed with it, and an in-place write, which bumps the tensor's version, makes it stale). One value per name: a
+    call with another ``key`` (a new chunk size, dtype or length) builds and keeps its own in place of the old. A
+    ``build`` that raises keeps nothing."""
+    if isinstance(holder, Boundaries):
+        store, stamp = holder._device_forms, key
+    else:
+        store, stamp = holder.__dict__.setdefault(_MEMO_ATTR, {}), (key, holder._version)
+    entry = store.get(name)
+    if entry is None or entry[0] != stamp:
+        entry = store[name] = (stamp, build())
+    return entry[1]
+
+
+def kept_form(holder: Boundaries, name: Hashable) -> Any:
+    """What :func:`memo` keeps on ``holder`` under ``name``, or None."""
+    entry = holder._device_forms.get(name)
+    return None if entry is None else entry[1]
 
 
 class Boundaries:
@@ -136,9 +164,9 @@ class Boundaries:
         self.host_padding = torch.from_numpy(numpy.array(padding, dtype=bool))
         """``[N]`` bool on the CPU: the padding flags as a tensor."""
         self._rows = torch.empty(batch_size, seq_len, 0)  # holds no data: its shape is what compiled code compares
-        # Device forms, derived on first use and kept (a plain dict, not functools.cached_property,
-        # whose lock torch.compile cannot trace).
-        self._device_forms: dict[Hashable, Any] = {}
+        # Device forms and what consumers derive from them, built on first use and kept by memo() (a plain dict,
+        # not functools.cached_property, whose lock torch.compile cannot trace).
+        self._device_forms: dict[Hashable, tuple[Hashable, Any]] = {}
         # the parallel.shard.SequenceShard these describe a shard of, if any: a plain attribute, not a memo entry
         # (compiled graphs guard on it, and memo dicts grow with every packing)
         self.sequence_shard: Any = None
@@ -146,7 +174,7 @@ class Boundaries:
         """The ``position_ids`` the caller passed with the batch these describe (set by the model hook; None: none
         passed), which models that number positions themselves honour (:mod:`packfree_plugin.adapters.positions`)."""
         if cu_seqlens is not None:
-            self._device_forms["cu_seqlens"] = cu_seqlens.to(dtype=torch.int32)
+            memo(self, "cu_seqlens", None, lambda: cu_seqlens.to(dtype=torch.int32))
 
     def describes(self, batch_size: int, seq_len: int) -> bool:
         """Whether these segments tile a ``[batch_size, seq_len]`` batch. Compiled code calls this with symbolic
@@ -176,15 +204,6 @@ class Boundaries:
         return len(self.offsets) - 1
 
     # ------------------------------------------------------------------------------- device forms
-    def memo(self, name: Hashable, build: Callable[[], _Form]) -> _Form:
-        """The form ``name`` of these boundaries, built by ``build()`` on first use and kept: the device forms
-        below, and what consumers derive once per forward rather than once per layer (e.g. the portable
-        attention's sample groups)."""
-        form = self._device_forms.get(name)
-        if form is None:
-            form = self._device_forms[name] = build()
-        return form
-
     def _per_token(self, values: numpy.ndarray) -> torch.Tensor:
         """Host ``[N]`` per-segment values -> ``[B, T]`` per-token values on :attr:`device` (numpy on the host: a
         quarter of torch's per-call cost, and every layer of a short row waits for these)."""
@@ -194,12 +213,14 @@ class Boundaries:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """``[N+1]`` int32 on :attr:`device`: segment offsets over the flattened ``B * T`` tokens."""
-        return self.memo("cu_seqlens", lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
+        return memo(self, "cu_seqlens", None,
+                    lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
 
     @property
     def seq_idx(self) -> torch.Tensor:
         """``[B, T]`` int32 on :attr:`device`: index of the segment of every token (non-decreasing)."""
-        return self.memo("seq_idx", lambda: self._per_token(numpy.arange(self.num_segments, dtype=numpy.int32)))
+        return memo(self, "seq_idx", None,
+                    lambda: self._per_token(numpy.arange(self.num_segments, dtype=numpy.int32)))
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -209,12 +230,12 @@ class Boundaries:
             positions = numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts
             return torch.from_numpy(positions).view(self.batch_size, self.seq_len).to(self.device)
 
-        return self.memo("position_ids", build)
+        return memo(self, "position_ids", None, build)
 
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return self.memo("padding_tokens", lambda: self._per_token(self.host_padding.numpy()))
+        return memo(self, "padding_tokens", None, lambda: self._per_token(self.host_padding.numpy()))
 
     def __repr__(self) -> str:
         return (
@@ -437,7 +458,7 @@ class Boundaries:
             seq_len=self.seq_len,
             device=self.device,
             padding=[kept == 0 for kept in kept_per_segment],
-            cu_seqlens=self._device_forms.get("cu_seqlens"),
+            cu_seqlens=kept_form(self, "cu_seqlens"),
         )
 
 
@@ -583,13 +604,13 @@ class Seq2SeqBoundaries:
     def attach(self) -> Seq2SeqBoundaries:
         """Make :meth:`of` find this pairing from either side's boundaries; returns self."""
         for side in (self.encoder, self.decoder):
-            side.memo(self._FORM, lambda: self)
+            memo(side, self._FORM, None, lambda: self)
         return self
 
     @classmethod
     def of(cls, boundaries: Boundaries | None) -> Seq2SeqBoundaries | None:
         """The pairing ``boundaries`` belong to (as encoder or decoder), None when they belong to none."""
-        return None if boundaries is None else boundaries._device_forms.get(cls._FORM)
+        return None if boundaries is None else kept_form(boundaries, cls._FORM)
 
     def __repr__(self) -> str:
         return f"Seq2SeqBoundaries(encoder={self.encoder!r}, decoder={self.decoder!r})"

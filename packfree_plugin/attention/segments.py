@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries, memo
 from .reference import AttentionOptions, eager_attention, visible_keys
 
 __all__ = ["cross_segment_attention", "segment_attention", "BATCHED_UP_TO", "QUERY_BLOCK"]
@@ -119,8 +119,8 @@ def segment_attention(
     it depends only on the distance between query and key, so every segment takes its top-left corner.
     """
     batch, heads, seq_len, _ = query.shape
-    plan = boundaries.memo(("segment_attention_plan", query.device, options.chunk),
-                           lambda: _plan(boundaries, query.device, options.chunk))
+    plan = memo(boundaries, ("segment_attention_plan", query.device, options.chunk), None,
+                lambda: _plan(boundaries, query.device, options.chunk))
     if plan.where is None and plan.groups:  # one group: the whole batch, in order (samples of one length)
         group = plan.groups[0]
         out = _one_segment(_as_group(query, group), _as_group(key, group), _as_group(value, group), options,
@@ -277,8 +277,8 @@ def cross_segment_attention(
     encoder_len = key.shape[2]
     flat_q = query.transpose(1, 2).reshape(batch * decoder_len, heads, query.shape[3])
     flat_k, flat_v = (t.transpose(1, 2).reshape(batch * encoder_len, t.shape[1], t.shape[3]) for t in (key, value))
-    groups, where = pairing.decoder.memo(("cross_attention_plan", query.device),
-                                         lambda: _cross_plan(pairing, query.device))
+    groups, where = memo(pairing.decoder, ("cross_attention_plan", query.device), None,
+                         lambda: _cross_plan(pairing, query.device))
     result = query.new_zeros(batch * decoder_len, heads, value.shape[-1])
     if not groups:  # every decoder row is padding
         return result.view(batch, decoder_len, heads, value.shape[-1])

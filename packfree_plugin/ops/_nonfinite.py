@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._memo import memo
+from ..boundaries import memo
 from ._seq import first_token_mask
 
 __all__ = ["Quarantine"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._memo import memo
+from ..boundaries import memo
 
 __all__ = [
     "cu_seqlens_to_seq_idx",

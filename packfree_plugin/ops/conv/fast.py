@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._memo import memo
+from ...boundaries import memo
 
 
 _TILE_BYTES = 1 << 19

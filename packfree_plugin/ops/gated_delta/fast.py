@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from .._boundary_doc import with_boundary_doc
 from .gates import kda_gate, l2norm
-from .._memo import memo
+from ...boundaries import memo
 from .._nonfinite import Quarantine
 from .._seq import resolve_seq_idx
 from .._chunk_layout import (

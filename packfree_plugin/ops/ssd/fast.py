@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._memo import memo
+from ...boundaries import memo
 from .._nonfinite import Quarantine
 from .naive import process_dt
 
