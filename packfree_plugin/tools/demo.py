@@ -46,8 +46,8 @@ import torch
 from ..loadwatch import LOADED_PER_CORE, LoadWatch
 
 __all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
-           "decompose", "demo_config", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train", "work_ratios",
-           "work_units"]
+           "decompose", "demo_config", "gdn_chunk", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train",
+           "work_ratios", "work_units"]
 
 
 @dataclass
@@ -97,22 +97,30 @@ GDN_CHUNK = 64
 """Tokens per chunk of the chunked Gated DeltaNet paths (transformers' torch fallback, which the padded runs take,
 and packfree's): each row they run is rounded up to a whole number of chunks."""
 
+
+def gdn_chunk(config) -> int | None:
+    """:data:`GDN_CHUNK` when ``config``'s model has Gated DeltaNet layers (``linear_attention`` among its layer
+    types), else None: no chunk-padded work to count."""
+    return GDN_CHUNK if "linear_attention" in (getattr(config, "layer_types", None) or ()) else None
+
 Span = tuple[int, bool]
 """``(length, is_padding)``: a sample, or a run of padding, in a row as the model runs it."""
 
 
-def work_units(rows: Sequence[Sequence[Span]], *, chunk: int = GDN_CHUNK) -> dict[str, int]:
+def work_units(rows: Sequence[Sequence[Span]], *, chunk: int | None) -> dict[str, int]:
     """The work of one step by kind, from its rows as run (each row its spans in order):
 
     - ``tokens run``: every token of every row, padding included;
     - ``attention pairs``: ``L**2`` per sample span, each sample attending to itself alone. Padding spans cost
       nothing: packfree's attention leaves them zero, padded batches included (stock ``sdpa`` would attend them);
-    - ``chunk-padded tokens``: each row rounded up to ``chunk`` tokens, as the chunked Gated DeltaNet runs it
-      (padded: each sample's row; packed: the whole row, whose samples share chunks).
+    - ``chunk-padded tokens`` (given a ``chunk``): each row rounded up to ``chunk`` tokens, as the chunked Gated
+      DeltaNet runs it (padded: each sample's row; packed: the whole row, whose samples share chunks).
     """
-    return {"tokens run": sum(length for row in rows for length, _ in row),
-            "attention pairs": sum(length ** 2 for row in rows for length, padding in row if not padding),
-            "chunk-padded tokens": sum(-(-sum(length for length, _ in row) // chunk) * chunk for row in rows)}
+    work = {"tokens run": sum(length for row in rows for length, _ in row),
+            "attention pairs": sum(length ** 2 for row in rows for length, padding in row if not padding)}
+    if chunk:
+        work["chunk-padded tokens"] = sum(-(-sum(length for length, _ in row) // chunk) * chunk for row in rows)
+    return work
 
 
 def default_threads() -> int:
@@ -253,9 +261,10 @@ class StepPacker:
 
 # ---------------------------------------------------------------------------------------------- training
 def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: int, batch_size: int,
-          learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True) -> RunResult:
+          learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True,
+          chunk: int | None = None) -> RunResult:
     """``steps`` optimizer steps of the HF ``Trainer`` on ``features`` (dicts with ``input_ids``, and whatever
-    else the collator reads) in order, ``batch_size`` per step."""
+    else the collator reads) in order, ``batch_size`` per step. ``chunk``: as :func:`work_units`'."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     losses: list[float] = []
@@ -298,8 +307,8 @@ def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: i
     trainer.train()
     lengths = [len(s["input_ids"]) for s in dataset]
     step_real = [sum(lengths[i:i + batch_size]) for i in range(0, len(lengths), batch_size)]
-    step_work = ([work_units(collator.layout(dataset[i:i + batch_size])) for i in range(0, len(dataset), batch_size)]
-                 if hasattr(collator, "layout") else [])
+    step_work = ([work_units(collator.layout(dataset[i:i + batch_size]), chunk=chunk)
+                  for i in range(0, len(dataset), batch_size)] if hasattr(collator, "layout") else [])
     step_slots = [work["tokens run"] for work in step_work]
     slots = sum(step_slots) if step_slots else collator.slot_tokens if counts_slots else sum(lengths)
     return RunResult(label, model.config._attn_implementation, losses, clock["end"] - clock["begin"], step_seconds,
@@ -361,7 +370,7 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
     initial = build_model(config, "eager", seed=options.seed).state_dict()
     initial = {k: v.clone() for k, v in initial.items()}
     common = dict(steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                  seed=options.seed, out=options.out, progress=options.progress)
+                  seed=options.seed, out=options.out, progress=options.progress, chunk=gdn_chunk(config))
     try:
         padded_model = build_model(config, "sdpa", initial, options.seed)
     except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager

@@ -23,6 +23,8 @@ from packfree_plugin.tools.demo import (
     RunResult,
     StepPacker,
     decompose,
+    demo_config,
+    gdn_chunk,
     tokenize_gsm8k,
     verdict,
     work_units,
@@ -207,22 +209,24 @@ def test_demo_padding_ceiling_counts_attentions_square() -> None:
         "tokens run": 17, "attention pairs": pairs, "chunk-padded tokens": 24}
     assert work_units(StepPacker(10).layout(features), chunk=8) == {
         "tokens run": 20, "attention pairs": pairs, "chunk-padded tokens": 32}
+    assert work_units(StepPacker(10).layout(features), chunk=None) == {"tokens run": 20, "attention pairs": pairs}
 
 
 def test_demo_work_units_match_the_batches_the_model_receives() -> None:
     """A real GSM8K step of 16 samples, counted from the collated tensors themselves: tokens are their size,
     attention pairs each sample's length squared (the padded batch's mask rows, the packed row's ``cu_seq_lens``),
     chunk-padded tokens each row rounded up to the chunk."""
+    assert gdn_chunk(demo_config("qwen3_next", 64)) == GDN_CHUNK and gdn_chunk(demo_config("llama", 64)) is None
     samples, _ = tokenize_gsm8k(16, progress=False)
     features = [{"input_ids": sample} for sample in samples]
     padded, packed = PaddedCollator()(features), StepPacker(4096)(features)
     rows, width = padded["input_ids"].shape
-    assert work_units(PaddedCollator().layout(features)) == {
+    assert work_units(PaddedCollator().layout(features), chunk=GDN_CHUNK) == {
         "tokens run": rows * width, "attention pairs": int(padded["attention_mask"].sum(-1).square().sum()),
         "chunk-padded tokens": rows * math.ceil(width / GDN_CHUNK) * GDN_CHUNK}
     (length,) = packed["input_ids"].shape[1:]
     assert packed["input_ids"].shape[0] == 1
-    assert work_units(StepPacker(4096).layout(features)) == {
+    assert work_units(StepPacker(4096).layout(features), chunk=GDN_CHUNK) == {
         "tokens run": length, "attention pairs": int(packed["cu_seq_lens_q"].diff().square().sum()),
         "chunk-padded tokens": math.ceil(length / GDN_CHUNK) * GDN_CHUNK}
 
