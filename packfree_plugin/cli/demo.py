@@ -20,7 +20,10 @@ Data flows top to bottom:
 
    The three runs that mix tokens must give the same per-step losses.
 4. :func:`decompose`: the speedup as its parts, stock padded -> packfree padded (bounded by the floor),
-   packfree padded -> packfree packed (bounded by the padding ceiling) and their product.
+   packfree padded -> packfree packed (bounded by the padding ceiling: the largest ratio, padded over packed, of
+   the kinds of work :func:`work_units` counts: tokens run, attention pairs, chunk-padded tokens) and their
+   product; with the machine's load (:class:`~packfree_plugin.cli.load.LoadWatch`), above which the verdict gives
+   no figures.
 5. :func:`run_demo`: the runs, the isolation audit of :mod:`packfree_plugin.gate.audit` on the trained model
    (packfree and stock), a Markdown report and a PNG plot.
 """
@@ -33,15 +36,18 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from .load import LOADED_PER_CORE, LoadWatch
+
 __all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
-           "decompose", "demo_config", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train"]
+           "decompose", "demo_config", "gdn_chunk", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train",
+           "work_ratios", "work_units"]
 
 
 @dataclass
@@ -70,7 +76,8 @@ class RunResult:
     real_tokens: int
     slot_tokens: int  # tokens the model ran on, padding included
     step_real_tokens: list[int]
-    step_slot_tokens: list[int]  # per step, where the collator can say (its ``slots``); else empty
+    step_slot_tokens: list[int]  # per step, where the collator can say (its ``layout``); else empty
+    step_work: list[dict[str, int]] = field(default_factory=list)  # per step, :func:`work_units` of its layout
 
     @property
     def tokens_per_second(self) -> float:
@@ -86,6 +93,34 @@ class RunResult:
 
 WARMUP_STEPS = 2
 """Optimizer steps at the start of each run left out of its throughput."""
+GDN_CHUNK = 64
+"""Tokens per chunk of the chunked Gated DeltaNet paths (transformers' torch fallback, which the padded runs take,
+and packfree's): each row they run is rounded up to a whole number of chunks."""
+
+
+def gdn_chunk(config) -> int | None:
+    """:data:`GDN_CHUNK` when ``config``'s model has Gated DeltaNet layers (``linear_attention`` among its layer
+    types), else None: no chunk-padded work to count."""
+    return GDN_CHUNK if "linear_attention" in (getattr(config, "layer_types", None) or ()) else None
+
+Span = tuple[int, bool]
+"""``(length, is_padding)``: a sample, or a run of padding, in a row as the model runs it."""
+
+
+def work_units(rows: Sequence[Sequence[Span]], *, chunk: int | None) -> dict[str, int]:
+    """The work of one step by kind, from its rows as run (each row its spans in order):
+
+    - ``tokens run``: every token of every row, padding included;
+    - ``attention pairs``: ``L**2`` per sample span, each sample attending to itself alone. Padding spans cost
+      nothing: packfree's attention leaves them zero, padded batches included (stock ``sdpa`` would attend them);
+    - ``chunk-padded tokens`` (given a ``chunk``): each row rounded up to ``chunk`` tokens, as the chunked Gated
+      DeltaNet runs it (padded: each sample's row; packed: the whole row, whose samples share chunks).
+    """
+    work = {"tokens run": sum(length for row in rows for length, _ in row),
+            "attention pairs": sum(length ** 2 for row in rows for length, padding in row if not padding)}
+    if chunk:
+        work["chunk-padded tokens"] = sum(-(-sum(length for length, _ in row) // chunk) * chunk for row in rows)
+    return work
 
 
 def default_threads() -> int:
@@ -173,9 +208,11 @@ class PaddedCollator:
     def __init__(self, pad_token_id: int = 0) -> None:
         self.pad_token_id = pad_token_id
 
-    def slots(self, features: Sequence[Mapping[str, Any]]) -> int:
-        """Tokens one step of ``features`` runs on, padding included."""
-        return max(len(f["input_ids"]) for f in features) * len(features)
+    def layout(self, features: Sequence[Mapping[str, Any]]) -> list[list[Span]]:
+        """The rows one step of ``features`` runs: each sample, then its padding to the longest."""
+        lengths = [len(f["input_ids"]) for f in features]
+        return [[(length, False)] + ([(max(lengths) - length, True)] if length < max(lengths) else [])
+                for length in lengths]
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         samples = [list(f["input_ids"]) for f in features]
@@ -199,31 +236,35 @@ class StepPacker:
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
 
-    def rows(self, features: Sequence[Mapping[str, Any]]) -> int:
+    def bins(self, features: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        """The lengths of the samples of each row (cut to ``max_tokens``)."""
         from ..packing import pack_best_fit_decreasing
 
-        return len(pack_best_fit_decreasing([min(len(f["input_ids"]), self.max_tokens) for f in features],
-                                            self.max_tokens))
+        lengths = [min(len(f["input_ids"]), self.max_tokens) for f in features]
+        return [[lengths[i] for i in row] for row in pack_best_fit_decreasing(lengths, self.max_tokens)]
 
-    def slots(self, features: Sequence[Mapping[str, Any]]) -> int:
-        """Tokens one step of ``features`` runs on, padding included."""
-        rows = self.rows(features)
-        return sum(min(len(f["input_ids"]), self.max_tokens) for f in features) if rows == 1 else rows * self.max_tokens
+    def layout(self, features: Sequence[Mapping[str, Any]]) -> list[list[Span]]:
+        """The rows one step of ``features`` runs: their samples, and each row's tail padding when there are
+        several rows."""
+        bins = self.bins(features)
+        tails = [self.max_tokens - sum(row) if len(bins) > 1 else 0 for row in bins]
+        return [[(length, False) for length in row] + ([(tail, True)] if tail else [])
+                for row, tail in zip(bins, tails)]
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         from ..packing import PackedCollator
 
-        rows = self.rows(features)
-        collate = PackedCollator(rows_per_batch=rows, max_tokens=self.max_tokens, pad_token_id=self.pad_token_id,
-                                 truncate=True)
+        collate = PackedCollator(rows_per_batch=len(self.bins(features)), max_tokens=self.max_tokens,
+                                 pad_token_id=self.pad_token_id, truncate=True)
         return collate(list(features))
 
 
 # ---------------------------------------------------------------------------------------------- training
 def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: int, batch_size: int,
-          learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True) -> RunResult:
+          learning_rate: float, seed: int, out: str | Path, label: str, progress: bool = True,
+          chunk: int | None = None) -> RunResult:
     """``steps`` optimizer steps of the HF ``Trainer`` on ``features`` (dicts with ``input_ids``, and whatever
-    else the collator reads) in order, ``batch_size`` per step."""
+    else the collator reads) in order, ``batch_size`` per step. ``chunk``: as :func:`work_units`'."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     losses: list[float] = []
@@ -266,21 +307,25 @@ def train(model, features: list[dict[str, Any]], collator: Callable, *, steps: i
     trainer.train()
     lengths = [len(s["input_ids"]) for s in dataset]
     step_real = [sum(lengths[i:i + batch_size]) for i in range(0, len(lengths), batch_size)]
-    step_slots = ([collator.slots(dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
-                  if hasattr(collator, "slots") else [])
+    step_work = ([work_units(collator.layout(dataset[i:i + batch_size]), chunk=chunk)
+                  for i in range(0, len(dataset), batch_size)] if hasattr(collator, "layout") else [])
+    step_slots = [work["tokens run"] for work in step_work]
     slots = sum(step_slots) if step_slots else collator.slot_tokens if counts_slots else sum(lengths)
     return RunResult(label, model.config._attn_implementation, losses, clock["end"] - clock["begin"], step_seconds,
-                     sum(lengths), slots, step_real, step_slots)
+                     sum(lengths), slots, step_real, step_slots, step_work)
 
 
 def compare_training(options: DemoOptions) -> dict[str, Any]:
     """Tokenize, build one initial model, and train it four times (module docstring, step 3). Returns a dict with
     the :class:`RunResult` of ``padded`` (stock), ``packfree_padded``, ``floor`` and ``packed``, the ``skipped``
-    layer paths, the config and the stock padded and packed trained models."""
+    layer paths, the config, the stock padded and packed trained models, and the machine's ``load`` (a
+    :class:`~packfree_plugin.cli.load.LoadWatch` sampled before and after the runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or default_threads())
     try:
-        return _compare(options)
+        with LoadWatch() as load:
+            result = _compare(options)
+        return {**result, "load": load}
     finally:
         torch.set_num_threads(threads)
 
@@ -325,7 +370,7 @@ def _compare(options: DemoOptions) -> dict[str, Any]:
     initial = build_model(config, "eager", seed=options.seed).state_dict()
     initial = {k: v.clone() for k, v in initial.items()}
     common = dict(steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
-                  seed=options.seed, out=options.out, progress=options.progress)
+                  seed=options.seed, out=options.out, progress=options.progress, chunk=gdn_chunk(config))
     try:
         padded_model = build_model(config, "sdpa", initial, options.seed)
     except ValueError:  # a family without an sdpa path (Mamba2): its stock implementation is eager
@@ -360,8 +405,10 @@ def _audit_trained(packed_model, config) -> tuple[Any, Any]:
     return audit(mine), audit(stock)
 
 
-def _plot(path: Path, padded: RunResult, packed: RunResult, middle: Sequence[RunResult] = ()) -> None:
-    """Losses per step of ``padded`` and ``packed``; real tokens/s of ``padded``, each of ``middle``, ``packed``."""
+def _plot(path: Path, padded: RunResult, packed: RunResult, middle: Sequence[RunResult] = (),
+          ceiling: float | None = None) -> None:
+    """Losses per step of ``padded`` and ``packed``; real tokens/s of ``padded``, each of ``middle``, ``packed``, and
+    the ``ceiling`` (real tokens/s that removing padding can reach at most) if given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,12 +423,15 @@ def _plot(path: Path, padded: RunResult, packed: RunResult, middle: Sequence[Run
     left.set_title("Loss per step (same samples each step)")
     left.legend()
     runs = [padded, *middle, packed]
-    names = [run.label.split(":")[0].replace(" ", "\n", 1) for run in runs]
+    names = [f"{'packed' if run is packed else 'padded'}\n({run.attn_implementation})" for run in runs]
     values = [run.tokens_per_second for run in runs]
     bars = right.bar(names, values, color=["#999999", *["#9cc3e0"] * len(middle), "#2a7ab9"])
     right.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
+    if ceiling is not None:
+        bound = right.bar(["ceiling\n(padding removed)"], [ceiling], color="none", edgecolor="#2a7ab9", hatch="//")
+        right.bar_label(bound, labels=[f"{ceiling:,.0f}"])
     right.set_ylabel("real tokens / s")
-    right.set_title(f"Training throughput: {packed.tokens_per_second / padded.tokens_per_second:.2f}x")
+    right.set_title(f"Training throughput: packed {packed.tokens_per_second / padded.tokens_per_second:.2f}x padded")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -392,8 +442,7 @@ def summarize(result: Mapping[str, Any]) -> dict[str, Any]:
     diffs = [abs(a - b) for a, b in zip(padded.losses, packed.losses)]
     return {
         "speedup": packed.tokens_per_second / padded.tokens_per_second,
-        # work that scales with the tokens run can shrink at most by this factor when padding goes away
-        "padding_ceiling": padded.slot_tokens / packed.slot_tokens,
+        "tokens_run_ratio": padded.slot_tokens / packed.slot_tokens,  # tokens run padded / packed
         "padded_tokens_per_s": padded.tokens_per_second,
         "packed_tokens_per_s": packed.tokens_per_second,
         "padded_efficiency": padded.efficiency,
@@ -410,16 +459,26 @@ NOISE_RESAMPLES = 2000
 PARTS = ("ops", "padding", "total")
 
 
+def timed_steps(result: Mapping[str, Any]) -> np.ndarray:
+    """The indices of the steps every figure is taken over: all but the first :data:`WARMUP_STEPS`, if any remain."""
+    count = len(result["padded"].step_seconds)
+    return np.arange(WARMUP_STEPS if count > WARMUP_STEPS else 0, count)
+
+
+def work_ratios(result: Mapping[str, Any], steps: np.ndarray) -> dict[str, float]:
+    """Each kind of :func:`work_units`, packfree padded over packfree packed, summed over the step indices ``steps``."""
+    padded, packed = (result[key].step_work for key in ("packfree_padded", "packed"))
+    return {kind: sum(padded[i][kind] for i in steps) / sum(packed[i][kind] for i in steps) for kind in padded[0]}
+
+
 def _parts_over(result: Mapping[str, Any], steps: np.ndarray) -> dict[str, float]:
     """Each part and its ceiling over the step indices ``steps`` (repeats allowed), the same steps in every run."""
     seconds = {k: np.asarray(result[k].step_seconds)[steps].sum() for k in ("padded", "packfree_padded", "floor",
                                                                             "packed")}
-    slots_padded = np.asarray(result["packfree_padded"].step_slot_tokens)[steps].sum()
-    slots_packed = np.asarray(result["packed"].step_slot_tokens)[steps].sum()
     # every run trains on the same samples at each step, so real tokens/s ratios are step-time ratios
     stock, mine, floor, packed = (seconds[k] for k in ("padded", "packfree_padded", "floor", "packed"))
     parts = {"ops": stock / mine, "ops_ceiling": stock / floor, "padding": mine / packed,
-             "padding_ceiling": slots_padded / slots_packed}
+             "padding_ceiling": max(work_ratios(result, steps).values())}
     parts.update(total=parts["ops"] * parts["padding"], total_ceiling=parts["ops_ceiling"] * parts["padding_ceiling"])
     return {k: float(v) for k, v in parts.items()}
 
@@ -429,8 +488,10 @@ def decompose(result: Mapping[str, Any], *, resamples: int = NOISE_RESAMPLES) ->
 
     - ``ops``: stock padded -> packfree padded, the same batches; packfree's ops alone. Ceiling ``ops_ceiling``:
       the floor run over stock, i.e. the speedup if packfree's token-mixing layers cost nothing.
-    - ``padding``: packfree padded -> packfree packed; padding removed. Ceiling ``padding_ceiling``: tokens run
-      padded over tokens run packed, the most that removing padding can give on work that scales with tokens.
+    - ``padding``: packfree padded -> packfree packed; padding removed. Ceiling ``padding_ceiling``: the largest
+      of :func:`work_ratios` (tokens run, attention pairs, chunk-padded tokens, each padded over packed). A step's
+      time is a sum of parts, each growing with one kind of work or not shrinking at all; its ratio cannot exceed
+      the largest of theirs.
     - ``total``: stock padded -> packfree packed, the product of the two; ceiling the product of theirs.
 
     Every figure is taken over the timed steps (after each run's warm-up). Its noise is measured from those steps
@@ -439,8 +500,7 @@ def decompose(result: Mapping[str, Any], *, resamples: int = NOISE_RESAMPLES) ->
     resamples, relative. ``<part>_above_ceiling`` holds only when ``part / ceiling`` exceeds 1 by more than
     that band (its 2.5 % quantile is above 1); ``within_ceilings`` when no part is.
     """
-    count = len(result["padded"].step_seconds)
-    timed = np.arange(WARMUP_STEPS if count > WARMUP_STEPS else 0, count)
+    timed = timed_steps(result)
     parts: dict[str, float | bool] = dict(_parts_over(result, timed))
     generator = np.random.default_rng(0)
     draws = [_parts_over(result, generator.choice(timed, size=len(timed))) for _ in range(resamples)]
@@ -452,14 +512,21 @@ def decompose(result: Mapping[str, Any], *, resamples: int = NOISE_RESAMPLES) ->
     return parts
 
 
-def decomposition_table(parts: Mapping[str, float | bool]) -> list[str]:
+def _ratios_phrase(ratios: Mapping[str, float]) -> str:
+    """``tokens run 1.71x, attention pairs 1.00x, ...``: each kind of work, padded / packed."""
+    return ", ".join(f"{kind} {ratio:.2f}x" for kind, ratio in ratios.items())
+
+
+def decomposition_table(parts: Mapping[str, float | bool], ratios: Mapping[str, float]) -> list[str]:
     """Markdown rows: each part of the speedup, the runs it compares, its ceiling, its noise and what sets the
-    ceiling."""
+    ceiling (``ratios``: :func:`work_ratios` over the timed steps)."""
     rows = [("packfree's ops", "stock padded -> packfree padded", "ops",
              "the floor run over stock padded: the same padded step with every token-mixing layer skipped, what "
              "packfree padded would reach if its layers cost nothing"),
             ("padding removed", "packfree padded -> packfree packed", "padding",
-             "tokens run padded / packed: work that scales with the tokens run shrinks at most by this"),
+             f"the largest work ratio padded / packed ({_ratios_phrase(ratios)}): attention pairs count each "
+             f"sample's L², chunk-padded tokens each row rounded up to the {GDN_CHUNK}-token chunk of the Gated "
+             "DeltaNet; no part of a step shrinks by more than its work does"),
             ("both", "stock padded -> packfree packed", "total", "the product of the two ceilings")]
     return ["| part | runs compared | speedup | ceiling | timing noise (95 %) | what sets the ceiling |",
             "|---|---|---:|---:|---:|---|",
@@ -467,24 +534,42 @@ def decomposition_table(parts: Mapping[str, float | bool]) -> list[str]:
               f"±{parts[f'{key}_noise']:.1%} | {why} |" for name, runs, key, why in rows)]
 
 
-def verdict(parts: Mapping[str, float | bool]) -> str:
-    """Whether the timings support the decomposition, allowing for each part's measured noise."""
+LOSS_TOLERANCE = 1e-5
+"""Largest relative loss difference from stock padded that the verdict calls equal (float32 sums in another
+order)."""
+
+
+def verdict(parts: Mapping[str, float | bool], load: LoadWatch, max_rel_loss_diff: float) -> str:
+    """The run's result in one sentence: the speedup against its ceiling and whether the losses agree. "No figures"
+    instead when the machine was too loaded (``load``) for its timings; a flag when a part beat its ceiling by more
+    than its timing noise."""
+    equal = "equal losses" if max_rel_loss_diff <= LOSS_TOLERANCE else "DIFFERENT losses"
+    losses = f"{equal} (max relative difference {max_rel_loss_diff:.1e})"
+    if load.too_loaded:
+        return (f"no figures: the machine ran at {load.per_core:.2f} load per core (above {LOADED_PER_CORE}), so "
+                "these timings hold other processes' work as much as this run's; rerun on a quiet machine for speed "
+                f"figures. Padded and packed trained with {losses}")
     above = [key for key in PARTS if parts[f"{key}_above_ceiling"]]
-    if not above:
-        return "every part is at or below its ceiling within its timing noise"
-    return (f"{', '.join(above)} above its ceiling by more than its timing noise: in this run the timings do not "
-            "support this decomposition (a ceiling's assumption failed, or the machine's load changed between runs)")
+    if above:
+        return (f"{', '.join(above)} above its ceiling by more than its timing noise: in this run the timings do not "
+                "support this decomposition (a ceiling's assumption failed, or the machine's load changed between "
+                f"runs); {losses}")
+    total, ceiling = parts["total"], parts["total_ceiling"]
+    return (f"packed trains {total:.2f}x as fast as stock padded, {total / ceiling:.0%} of its ceiling {ceiling:.2f}x "
+            f"(padding removed {parts['padding']:.2f}x of at most {parts['padding_ceiling']:.2f}x), with {losses}")
 
 
-def decomposition_lines(parts: Mapping[str, float | bool]) -> list[str]:
-    """Console lines: the speedup, each part against its ceiling with its noise, then the verdict."""
+def decomposition_lines(parts: Mapping[str, float | bool], ratios: Mapping[str, float], load: LoadWatch,
+                        max_rel_loss_diff: float) -> list[str]:
+    """Console lines: the speedup, each part against its ceiling with its noise, the machine's load, the verdict."""
     return [f"speedup {parts['total']:.2f}x (ceiling {parts['total_ceiling']:.2f}x, noise ±{parts['total_noise']:.1%})"
             f" = packfree's ops x padding removed",
             f"  packfree's ops  {parts['ops']:.2f}x (ceiling {parts['ops_ceiling']:.2f}x: token mixers free; noise "
             f"±{parts['ops_noise']:.1%})",
-            f"  padding removed {parts['padding']:.2f}x (ceiling {parts['padding_ceiling']:.2f}x: tokens run padded / "
-            f"packed; noise ±{parts['padding_noise']:.1%})",
-            f"  verdict: {verdict(parts)}"]
+            f"  padding removed {parts['padding']:.2f}x (ceiling {parts['padding_ceiling']:.2f}x: the largest of "
+            f"{_ratios_phrase(ratios)}, padded / packed; noise ±{parts['padding_noise']:.1%})",
+            f"  {load.describe()}",
+            f"  verdict: {verdict(parts, load, max_rel_loss_diff)}"]
 
 
 def throughput_table(*runs: RunResult) -> list[str]:
@@ -510,6 +595,8 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
     padded, packed = result["padded"], result["packed"]
     summary = summarize(result)
     parts = decompose(result)
+    ratios = work_ratios(result, timed_steps(result))
+    load = result["load"]
     config = result["config"]
     layer_types = getattr(config, "layer_types", None)
     mine, stock = audits
@@ -527,9 +614,10 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
         "",
         f"**{parts['total']:.2f}x** real tokens/s, packfree packed over stock padded, as the product of two gains "
         f"measured in this run (same machine, same samples; each run's first {WARMUP_STEPS} steps are its warm-up and "
-        "left out; noise measured by resampling the timed steps). Verdict: " + verdict(parts) + ".",
+        f"left out; noise measured by resampling the timed steps; {load.describe()}). Verdict: "
+        + verdict(parts, load, summary["max_rel_loss_diff"]) + ".",
         "",
-        *decomposition_table(parts),
+        *decomposition_table(parts, ratios),
         "",
         f"The floor run skipped {len(result['skipped'])} token-mixing layers ({', '.join(result['skipped'])}); its "
         "losses are not meant to agree.",
@@ -567,7 +655,7 @@ def write_report(out: Path, options: DemoOptions, result: Mapping[str, Any], aud
     path.write_text("\n".join(lines))
     (out / "demo.json").write_text(json.dumps({
         "options": asdict(options), "summary": summary,
-        "decomposition": parts, "skipped": result["skipped"],
+        "decomposition": parts, "work_ratios": ratios, "load": load.as_dict(), "skipped": result["skipped"],
         **{key: {**asdict(result[key]), "tokens_per_second": result[key].tokens_per_second}
            for key in ("padded", "packfree_padded", "floor", "packed")},
         "audit": {"packfree_leaks": [asdict(l) for l in mine.leaks], "stock_leaks": len(stock.leaks)},
@@ -594,13 +682,17 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> di
     result = compare_training(options)
     echo("isolation audit of the trained model ...")
     audits = _audit_trained(result["packed_model"], result["config"])
-    _plot(out / "demo.png", result["padded"], result["packed"], (result["packfree_padded"], result["floor"]))
-    report = write_report(out, options, result, audits)
     summary = summarize(result)
     parts = decompose(result)
-    summary.update(decomposition=parts, audit_ok=audits[0].ok, stock_leaks=len(audits[1].leaks), report=str(report),
-                   plot=str(out / "demo.png"), total_seconds=time.perf_counter() - started)
-    for line in decomposition_lines(parts):
+    ratios = work_ratios(result, timed_steps(result))
+    mine = result["packfree_padded"]
+    _plot(out / "demo.png", result["padded"], result["packed"], (mine,),
+          ceiling=mine.tokens_per_second * parts["padding_ceiling"])
+    report = write_report(out, options, result, audits)
+    summary.update(decomposition=parts, work_ratios=ratios, load=result["load"].as_dict(), audit_ok=audits[0].ok,
+                   stock_leaks=len(audits[1].leaks), report=str(report), plot=str(out / "demo.png"),
+                   total_seconds=time.perf_counter() - started)
+    for line in decomposition_lines(parts, ratios, result["load"], summary["max_rel_loss_diff"]):
         echo(line)
     echo(f"{summary['padded_tokens_per_s']:,.0f} -> {summary['packed_tokens_per_s']:,.0f} real tokens/s; packing "
          f"efficiency {summary['padded_efficiency']:.1%} padded -> {summary['packed_efficiency']:.1%} packed; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +14,21 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from packfree_plugin.gate.catalogue import sized_types
+from packfree_plugin.cli.load import LOADED_PER_CORE, LoadWatch
 from packfree_plugin.cli.main import main
-from packfree_plugin.cli.demo import WARMUP_STEPS, RunResult, decompose, verdict
+from packfree_plugin.cli.demo import (
+    GDN_CHUNK,
+    WARMUP_STEPS,
+    PaddedCollator,
+    RunResult,
+    StepPacker,
+    decompose,
+    demo_config,
+    gdn_chunk,
+    tokenize_gsm8k,
+    verdict,
+    work_units,
+)
 
 
 def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
@@ -115,12 +129,17 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     assert stock["slot_tokens"] == mine["slot_tokens"] == floor["slot_tokens"] > packed["slot_tokens"]
     assert recorded["summary"]["packed_efficiency"] > recorded["summary"]["padded_efficiency"]
 
-    # each part from the runs' own step times and token counts, its ceiling from the run it is bounded by
+    # each part from the runs' own step times and work counts, its ceiling from the run it is bounded by
     parts = recorded["decomposition"]
+    assert [step["tokens run"] for step in packed["step_work"]] == packed["step_slot_tokens"]
+    ratios = {kind: sum(step[kind] for step in mine["step_work"]) / sum(step[kind] for step in packed["step_work"])
+              for kind in ("tokens run", "attention pairs", "chunk-padded tokens")}
+    assert recorded["work_ratios"] == pytest.approx(ratios, rel=1e-12)
+    assert ratios["tokens run"] == pytest.approx(mine["slot_tokens"] / packed["slot_tokens"], rel=1e-12)
     expected = {"ops": _tokens_per_second(mine) / _tokens_per_second(stock),
                 "ops_ceiling": _tokens_per_second(floor) / _tokens_per_second(stock),
                 "padding": _tokens_per_second(packed) / _tokens_per_second(mine),
-                "padding_ceiling": mine["slot_tokens"] / packed["slot_tokens"],
+                "padding_ceiling": max(ratios.values()),
                 "total": _tokens_per_second(packed) / _tokens_per_second(stock)}
     expected["total_ceiling"] = expected["ops_ceiling"] * expected["padding_ceiling"]
     for key, value in expected.items():
@@ -136,12 +155,29 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     assert f"padding removed {expected['padding']:.2f}x (ceiling {expected['padding_ceiling']:.2f}x" in console
     # each figure printed once (count the labels: two figures may round to the same number)
     assert [console.count(label) for label in ("speedup ", "packfree's ops  ", "padding removed ")] == [1, 1, 1]
+    # the load comes with the ratios; a loaded machine gives no figures, a quiet one a result
+    load = recorded["load"]
+    assert len(load["samples"]) == 2 and load["per_core"] == max(load["samples"])
+    assert f"machine load {load['per_core']:.2f} per core" in console
+    assert load["too_loaded"] is (load["per_core"] > LOADED_PER_CORE)
+    said = console.split("verdict: ", 1)[1].splitlines()[0]
+    if load["too_loaded"]:
+        assert said.startswith("no figures: ")
+    else:
+        assert said.startswith("packed trains ") or "above its ceiling" in said
+    assert "equal losses" in said and said in report
     assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
 
 
-def _run(step_seconds: list[float], step_slot_tokens: list[int]) -> RunResult:
+def _run(step_seconds: list[float], step_slot_tokens: list[int], chunk_padded: list[int] | None = None) -> RunResult:
+    """A run whose steps ran ``step_slot_tokens`` tokens (and ``chunk_padded`` chunk-padded ones; else as many)."""
+    work = [{"tokens run": tokens, "attention pairs": 1000, "chunk-padded tokens": chunked}
+            for tokens, chunked in zip(step_slot_tokens, chunk_padded or step_slot_tokens)]
     return RunResult("run", "sdpa", [1.0] * len(step_seconds), sum(step_seconds), step_seconds, 100 * len(step_seconds),
-                     sum(step_slot_tokens), [100] * len(step_seconds), step_slot_tokens)
+                     sum(step_slot_tokens), [100] * len(step_seconds), step_slot_tokens, work)
+
+
+QUIET = LoadWatch(cores=2, samples=[0.1, 0.3])
 
 
 @pytest.mark.parametrize("excess, above", [(1.006, False), (1.5, True)])
@@ -157,7 +193,79 @@ def test_demo_verdict_allows_for_timing_noise(excess: float, above: bool) -> Non
     assert parts["padding"] / parts["padding_ceiling"] == pytest.approx(float(jitter[WARMUP_STEPS:].mean()) * excess)
     assert 0.005 < parts["padding_noise"] < 0.05  # about 2 standard errors of 38 steps of 3 % noise
     assert parts["padding_above_ceiling"] is above and parts["within_ceilings"] is not above
-    assert ("padding above its ceiling by more than its timing noise" in verdict(parts)) is above
+    assert ("padding above its ceiling by more than its timing noise" in verdict(parts, QUIET, 0.0)) is above
+    assert verdict(parts, QUIET, 0.0).startswith("packed trains") is not above
+
+
+def test_demo_padding_ceiling_counts_attentions_square() -> None:
+    """Samples of 5, 9 and 3 tokens, chunks of 8. Padded: three rows of 9; the attention skips their padding, the
+    chunked Gated DeltaNet rounds each row up to 16. Packed: one row of 17 (rounded up to 24), or two rows of 10
+    (a 9 and its pad of 1; a 5, a 3 and a pad of 2)."""
+    features = [{"input_ids": [1] * n} for n in (5, 9, 3)]
+    pairs = 5 ** 2 + 9 ** 2 + 3 ** 2
+    assert work_units(PaddedCollator().layout(features), chunk=8) == {
+        "tokens run": 27, "attention pairs": pairs, "chunk-padded tokens": 48}
+    assert work_units(StepPacker(4096).layout(features), chunk=8) == {
+        "tokens run": 17, "attention pairs": pairs, "chunk-padded tokens": 24}
+    assert work_units(StepPacker(10).layout(features), chunk=8) == {
+        "tokens run": 20, "attention pairs": pairs, "chunk-padded tokens": 32}
+    assert work_units(StepPacker(10).layout(features), chunk=None) == {"tokens run": 20, "attention pairs": pairs}
+
+
+def test_demo_work_units_match_the_batches_the_model_receives() -> None:
+    """A real GSM8K step of 16 samples, counted from the collated tensors themselves: tokens are their size,
+    attention pairs each sample's length squared (the padded batch's mask rows, the packed row's ``cu_seq_lens``),
+    chunk-padded tokens each row rounded up to the chunk."""
+    assert gdn_chunk(demo_config("qwen3_next", 64)) == GDN_CHUNK and gdn_chunk(demo_config("llama", 64)) is None
+    samples, _ = tokenize_gsm8k(16, progress=False)
+    features = [{"input_ids": sample} for sample in samples]
+    padded, packed = PaddedCollator()(features), StepPacker(4096)(features)
+    rows, width = padded["input_ids"].shape
+    assert work_units(PaddedCollator().layout(features), chunk=GDN_CHUNK) == {
+        "tokens run": rows * width, "attention pairs": int(padded["attention_mask"].sum(-1).square().sum()),
+        "chunk-padded tokens": rows * math.ceil(width / GDN_CHUNK) * GDN_CHUNK}
+    (length,) = packed["input_ids"].shape[1:]
+    assert packed["input_ids"].shape[0] == 1
+    assert work_units(StepPacker(4096).layout(features), chunk=GDN_CHUNK) == {
+        "tokens run": length, "attention pairs": int(packed["cu_seq_lens_q"].diff().square().sum()),
+        "chunk-padded tokens": math.ceil(length / GDN_CHUNK) * GDN_CHUNK}
+
+
+def test_demo_padding_ceiling_is_the_largest_work_ratio() -> None:
+    """Rows padded to whole chunks: 1.7x the tokens run padded, 2x the chunk-padded tokens. Packing measured 1.86x
+    (what the token ratio alone called above its ceiling) is within the ceiling of 2x."""
+    padded_slots, packed_slots = [170] * 10, [100] * 10
+    result = {"padded": _run([2.0] * 10, padded_slots), "floor": _run([1.0] * 10, padded_slots),
+              "packfree_padded": _run([1.86] * 10, padded_slots, [256] * 10),
+              "packed": _run([1.0] * 10, packed_slots, [128] * 10)}
+    parts = decompose(result, resamples=50)
+    assert parts["padding"] == pytest.approx(1.86) and parts["padding_ceiling"] == pytest.approx(2.0)
+    assert not parts["padding_above_ceiling"]
+
+
+def test_load_watch_samples_start_and_end_and_keeps_the_largest() -> None:
+    readings = iter([(1.0, 0.0, 0.0), (3.0, 0.0, 0.0)])
+    with LoadWatch(cores=4, read=lambda: next(readings)) as load:
+        assert load.samples == [0.25]
+    assert load.samples == [0.25, 0.75] and load.per_core == 0.75 and not load.too_loaded
+    assert load.as_dict()["per_core"] == 0.75
+    assert LoadWatch(cores=4, samples=[0.2, 0.76]).too_loaded
+
+
+def test_demo_verdict_gives_no_figures_on_a_loaded_machine() -> None:
+    """The same timings: a result sentence on a quiet machine, no figures above the load threshold; the losses'
+    agreement either way."""
+    slots = [150] * 10
+    result = {"padded": _run([2.0] * 10, slots), "packfree_padded": _run([1.5] * 10, slots),
+              "floor": _run([1.0] * 10, slots), "packed": _run([1.0] * 10, [100] * 10)}
+    parts = decompose(result, resamples=50)
+    quiet = verdict(parts, QUIET, 2e-7)
+    assert quiet == ("packed trains 2.00x as fast as stock padded, 67% of its ceiling 3.00x (padding removed 1.50x of "
+                     "at most 1.50x), with equal losses (max relative difference 2.0e-07)")
+    loaded = verdict(parts, LoadWatch(cores=2, samples=[0.5, 1.9]), 2e-7)
+    assert loaded.startswith("no figures: the machine ran at 1.90 load per core (above 0.75)")
+    assert "2.00x" not in loaded and "equal losses" in loaded
+    assert "DIFFERENT losses (max relative difference 1.0e-03)" in verdict(parts, QUIET, 1e-3)
 
 
 def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path) -> None:
