@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..classes import stock_tables
-from .registry import MixerAdapter, dense_causal_mask, positions_per_sample, register_adapter
+from .generic import dense_causal_mask
+from .registry import MixerAdapter, positions_per_sample, register_adapter
 from .native_forwards import lightning_forward, rg_lru_forward
 from .instance import own_parameters
 from .routes import native_forward

@@ -17,162 +17,21 @@ generic tier reads the host offsets.
 
 from __future__ import annotations
 
-import copy
 import re
-from collections.abc import Callable
-from typing import Any
 
-import torch
 from torch import nn
-from transformers.utils import ModelOutput
 
-from ..boundaries import Boundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
-from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
-from ..ops._nonfinite import Quarantine
+from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS
 from ..forward.signature import ForwardParameters
 from . import encoders, families  # noqa: F401 - they fill the adapters by family
-from .registry import MixerAdapter, additive_mask, adapter_for, dense_causal_mask
-from .generic import run_unpacked
+from .registry import adapter_for
+from .generic import attention_forward, run_generic
 from .instance import install, own_forward, own_parameters, uninstall
-from .routes import may_reach_kernels, native_forward, routed_kernels_of
+from .routes import may_reach_kernels, native_forward, quarantined, routed_kernels_of
 
 __all__ = ["check_coverage", "unwrap_mixers", "wrap_mixers"]
-
-# Arguments that make no sense for one sample run on its own: caches, masks and packed boundary inputs.
-_CLEARED_PARAMETERS = (*CACHE_ARGUMENTS, "attention_mask", "cache_position", "mask", "conv_mask")
-_DROPPED_KWARGS = (*PACKFREE_KWARGS, "position_ids", "use_cache")
-
-_MAX_WASTE = 0.25
-"""Padding a group of causal samples may carry (:func:`.generic.length_buckets`)."""
-_PER_TOKEN_FIELDS = ("last_hidden_state", "hidden_states")
-"""Fields of an encoder's ``ModelOutput`` that are per token (``[n, L, C]`` or a tuple of them) and come back packed;
-the others (attention weights ``[n, H, L, L]``) come back None."""
-
-
-@torch.compiler.disable  # per-sample groups follow the packing: compiled, every new packing would recompile
-def _generic(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
-             arguments: dict[str, Any]) -> Any:
-    parameters = own_parameters(layer)
-    given = arguments.pop("kwargs", {})
-    extra = {name: value for name, value in given.items() if name not in _DROPPED_KWARGS}
-    token_names = (adapter.hidden_arg, *(name for name in adapter.token_args if arguments.get(name) is not None))
-    fixed = {name: value for name, value in arguments.items() if name not in token_names}
-    for name in _CLEARED_PARAMETERS:
-        if name in parameters.names:
-            fixed[name] = None
-    if "use_cache" in parameters.names:
-        fixed["use_cache"] = False
-    indices = (adapter.output_index,) if isinstance(adapter.output_index, int) else adapter.output_index
-    causal = adapter.attention is None or (adapter.causal(layer) if callable(adapter.causal) else adapter.causal)
-    if adapter.attention is not None and not boundaries.is_packed and (
-            not causal or any(arguments.get(name) is not None for name in CACHE_ARGUMENTS)):
-        return _whole_batch(adapter, layer, original, boundaries, {**arguments, **given}, causal=causal)
-    unsplit = [name for name, value in fixed.items() if isinstance(value, torch.Tensor) and value.ndim >= 2
-               and (name == "encoder_hidden_states" or not causal)]
-    if unsplit:  # every group would get the whole row's tensor: cross-attention states, LUKE's entities, ...
-        raise ValueError(
-            f"{type(layer).__name__} got {', '.join(unsplit)} (not per token) with packed boundaries; packfree "
-            "cannot tell which sample each of its rows belongs to. Pass one sample per row for this input"
-        )
-    returned = []  # the layer's own output: its ModelOutput class, or its tuple/list (of the last group run)
-
-    def run(tokens: tuple) -> Any:
-        samples = tokens[0]
-        call = {**fixed, **extra, **dict(zip(token_names, tokens))}
-        if adapter.attention is not None and "attention_mask" not in token_names:
-            call["attention_mask"] = dense_causal_mask(
-                samples.shape[0], samples.shape[1], samples.device, window=getattr(layer, "sliding_window", None),
-                additive_dtype=samples.dtype if adapter.attention == "eager" else None, causal=causal)
-        if adapter.per_sample is not None:
-            call.update(adapter.per_sample(layer, samples, call))
-        out = original(**{k: v for k, v in call.items() if parameters.accepts(k)})
-        if adapter.per_sample_output is not None:
-            out = adapter.per_sample_output(layer, out)
-        if isinstance(out, ModelOutput):  # an encoder's output: its per-token fields
-            returned[:] = [type(out)]
-            return {name: out.get(name) for name in _PER_TOKEN_FIELDS}
-        if indices is None:
-            return out
-        returned[:] = [out]
-        return tuple(out[i] for i in indices)
-
-    tokens = tuple(arguments[name] for name in token_names)
-    hidden = run_unpacked(run, tokens, boundaries, max_waste=_MAX_WASTE if causal else 0.0)
-    if returned and isinstance(returned[0], type):
-        return returned[0](**hidden)
-    if indices is None:
-        return hidden
-    by_index = dict(zip(indices, hidden))
-    entries = [by_index[i] if i in by_index else value if isinstance(value, nn.Parameter) else None
-               for i, value in enumerate(returned[0])]
-    return entries if isinstance(returned[0], list) else tuple(entries)
-
-
-def _whole_batch(adapter: MixerAdapter, layer: nn.Module, original: Callable, boundaries: Boundaries,
-                 arguments: dict[str, Any], *, causal: bool) -> Any:
-    """An attention layer's own forward on a batch of one sample per row (``[B, T, ...]``), with its cache, under
-    the dense mask stock would give it: padding keys hidden, causal (and windowed) where the layer is. So a prefill
-    fills the cache as stock does, and a bidirectional layer that lets padding reach real tokens (ConvBERT's span
-    convolutions) computes what stock computes."""
-    if "attention_mask" not in adapter.token_args:  # a layer given the model's 4-D mask: stock's, in its form
-        hidden = arguments[adapter.hidden_arg]
-        arguments["attention_mask"] = dense_causal_mask(
-            boundaries.batch_size, boundaries.seq_len, hidden.device, window=getattr(layer, "sliding_window", None),
-            additive_dtype=hidden.dtype if adapter.attention == "eager" else None, causal=causal,
-            keys=~boundaries.padding_tokens if boundaries.has_padding else None)
-    return original(**{k: v for k, v in arguments.items() if k not in PACKFREE_KWARGS and own_parameters(layer).accepts(k)})
-
-
-class _StockAttention:
-    """Within ``with``: ``layer.config`` resolves attention calls to a stock implementation."""
-
-    def __init__(self, layer: nn.Module, implementation: str) -> None:
-        self.layer = layer
-        self.saved = layer.__dict__.get("config")
-        stock = layer.__dict__.get("_packfree_stock_config")
-        if getattr(layer, "config", None) is None:  # attention code of its own that reads no config (XLM, GPT)
-            stock = None
-        elif stock is None or stock._attn_implementation != implementation:
-            stock = copy.copy(layer.config)
-            stock._attn_implementation_internal = implementation
-            layer.__dict__["_packfree_stock_config"] = stock
-        self.stock = stock
-
-    def __enter__(self) -> None:
-        if self.stock is not None:
-            self.layer.__dict__["config"] = self.stock
-
-    def __exit__(self, *exc: object) -> None:
-        if self.stock is None:
-            return
-        if self.saved is None:
-            self.layer.__dict__.pop("config", None)
-        else:
-            self.layer.__dict__["config"] = self.saved
-
-
-def _rows_mask(boundaries: Boundaries, layer: nn.Module) -> torch.Tensor:
-    """transformers' ``sdpa`` mask ``[B, 1, T, T]`` of a batch holding one sample per row (causal, the layer's
-    ``sliding_window``, padding from the boundaries)."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
-
-    window = getattr(layer, "sliding_window", None)
-    return sdpa_mask(
-        batch_size=boundaries.batch_size, q_length=boundaries.seq_len, kv_length=boundaries.seq_len,
-        mask_function=causal_mask_function if window is None else sliding_window_causal_mask_function(window),
-        attention_mask=~boundaries.padding_tokens if boundaries.has_padding else None, allow_is_causal_skip=False,
-        device=boundaries.padding_tokens.device,
-    )
-
-
-def _stock_mask(mask: Any, implementation: str, dtype: torch.dtype) -> Any:
-    """Transformers' ``sdpa`` mask (bool or None) in the form ``implementation`` expects."""
-    if implementation == "eager" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        return additive_mask(mask, dtype)
-    return mask
-
 
 def _mixer_forward(layer: nn.Module, *args, **kwargs):
     """The forward every covered mixer gets, as ``functools.partial(_mixer_forward, layer)`` in the layer's
@@ -182,7 +41,7 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     arguments = own_parameters(layer).bind(args, kwargs)
     boundaries = boundaries_here(kwargs, rows=arguments.get(adapter.hidden_arg))
     if adapter.attention is not None:
-        return _attention_forward(layer, adapter, original, boundaries, arguments)
+        return attention_forward(layer, adapter, original, boundaries, arguments)
     if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
         # one sample per row, or rows that are not this forward's: the layer's own forward is exact; boundary
         # inputs would only make transformers' kernel fallbacks refuse the call
@@ -195,52 +54,9 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # packfree's torch ops keep a sample's NaN or inf out of the others themselves
         return native_forward(layer, original, boundaries, arguments)
     if adapter.native is not None:
-        return _quarantined(adapter, boundaries, arguments, lambda inputs: adapter.native(layer, original, boundaries,
+        return quarantined(adapter, boundaries, arguments, lambda inputs: adapter.native(layer, original, boundaries,
                                                                                              inputs))
-    return _generic(adapter, layer, original, boundaries, arguments)
-
-
-def _quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[str, Any],
-                 run: Callable[[dict[str, Any]], Any]) -> Any:
-    """``run(arguments)`` with a sample whose input hidden states hold NaN/inf taken out of the mixing (zeros in, NaN
-    out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (fla,
-    mamba-ssm and causal-conv1d do not isolate samples; packfree's torch ops do, so routed layers that reach only
-    those skip this: :func:`.routes.may_reach_kernels`). Finite inputs pass unchanged.
-    Compiled graphs skip it: its per-token sample index follows the packing, which graphs take as data only inside
-    packfree's opaque op (whose torch ops quarantine on their own)."""
-    if torch.compiler.is_compiling():
-        return run(arguments)
-    hidden = arguments[adapter.hidden_arg]
-    quarantine = Quarantine(boundaries.seq_idx.to(hidden.device), [(hidden, 1)])
-    (arguments[adapter.hidden_arg],) = quarantine.clean()
-    out = run(arguments)
-    if adapter.output_index is None:
-        return quarantine.mark(out)
-    indices = {adapter.output_index} if isinstance(adapter.output_index, int) else set(adapter.output_index)
-    marked = [quarantine.mark(value) if i in indices and isinstance(value, torch.Tensor) else value
-              for i, value in enumerate(out)]
-    return marked if isinstance(out, list) else tuple(marked)
-
-
-def _attention_forward(layer: nn.Module, adapter: MixerAdapter, original: Callable, boundaries: Boundaries | None,
-                       arguments: dict[str, Any]):
-    """``boundaries``: those of the layer's own rows (None: it has none)."""
-    hidden = arguments[adapter.hidden_arg]
-    with _StockAttention(layer, adapter.attention):
-        # one sample per row filling the model's cache (a prefill in generate()): the layer's own forward on the
-        # whole batch fills the cache as stock does, with the mask stock builds for these rows
-        fills_cache = boundaries is not None and not boundaries.is_packed and any(
-            arguments.get(name) is not None for name in CACHE_ARGUMENTS)
-        if boundaries is not None and not fills_cache:
-            return _generic(adapter, layer, original, boundaries, arguments)
-        if fills_cache and isinstance(arguments.get("attention_mask"), Boundaries):
-            arguments["attention_mask"] = _rows_mask(boundaries, layer)
-        if isinstance(arguments.get("attention_mask"), Boundaries):
-            raise ValueError(f"{type(layer).__name__} got packed boundaries that do not match its input")
-        if "attention_mask" in arguments:
-            arguments["attention_mask"] = _stock_mask(arguments["attention_mask"], adapter.attention, hidden.dtype)
-        extra = arguments.pop("kwargs", {})
-        return original(**arguments, **extra)
+    return run_generic(adapter, layer, original, boundaries, arguments)
 
 
 def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:

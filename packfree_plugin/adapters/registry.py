@@ -1,6 +1,6 @@
 """How packfree runs one family of layers (:class:`MixerAdapter`), the families by name (:data:`ADAPTERS`, filled by
 :mod:`.families` and :mod:`.encoders`; a class names its family in its entry, :data:`packfree_plugin.classes.CLASSES`),
-and the dense masks their per-sample runs build."""
+and what their per-sample runs need."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from ..boundaries import Boundaries
 from ..classes import entry_of
 
-__all__ = ["ADAPTERS", "MixerAdapter", "NativeRun", "PerSample", "adapter_for", "additive_mask", "dense_causal_mask",
+__all__ = ["ADAPTERS", "MixerAdapter", "NativeRun", "PerSample", "adapter_for",
            "positions_per_sample", "register_adapter"]
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
@@ -96,33 +96,3 @@ def adapter_for(cls: type) -> MixerAdapter | None:
 def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:
     """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded batch ``hidden [n, L, ...]``."""
     return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}
-
-
-def dense_causal_mask(num_samples: int, length: int, device: torch.device, *, window: int | None = None,
-                      additive_dtype: torch.dtype | None = None, causal: bool = True,
-                      keys: torch.Tensor | None = None) -> torch.Tensor:
-    """``[n, 1, L, L]`` dense mask of a sample batch, causal unless ``causal=False`` (True / 0.0 where a query may
-    attend).
-
-    ``window``: transformers' sliding window in its attention-function convention (causal: a query sees the
-    ``window`` most recent keys, itself included; bidirectional: keys less than ``window`` away).
-    ``additive_dtype``: return the additive float form eager attention adds to its scores instead of bools.
-    ``causal=False``: bidirectional (for a layer that would read a missing mask as causal, as transformers' sdpa
-    does for a module without ``is_causal``). ``keys``: ``[n, L]`` bool, the keys that are real tokens (None: all);
-    a query that then sees no key (left padding) is left so, as in transformers' own masks.
-    """
-    query = torch.arange(length, device=device)[:, None]
-    key = torch.arange(length, device=device)[None, :]
-    allowed = key <= query if causal else torch.ones(length, length, dtype=torch.bool, device=device)
-    if window is not None:
-        allowed = allowed & ((key > query - window) if causal else ((key - query).abs() < window))
-    allowed = allowed.expand(num_samples, 1, length, length)
-    if keys is not None:
-        allowed = allowed & keys[:, None, None, :]
-    return allowed if additive_dtype is None else additive_mask(allowed, additive_dtype)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: may attend) as the additive float mask eager attention adds to its scores: 0 where
-    allowed, the dtype's minimum elsewhere (transformers' eager masks)."""
-    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -38,10 +38,12 @@ from ..boundaries import Boundaries
 from ..classes import routed_functions
 from ..forward.context import NativeCall, enter_native, exit_native, native_call
 from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
+from ..ops._nonfinite import Quarantine
 from ..ops.opaque import CHANNELS, GROUPS, PARAMS, SHARED, TOKENS, Layout, boundary_op
+from .registry import MixerAdapter
 
 __all__ = ["OPTIONAL_KERNELS", "PackfreeRoutes", "ROUTED_KERNELS", "install_routes", "is_routed", "may_reach_kernels",
-           "native_forward", "uninstall_routes"]
+           "native_forward", "quarantined", "uninstall_routes"]
 
 _ROUTED_ATTR = "_packfree_routed_original"
 
@@ -403,3 +405,25 @@ def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries,
             "it needs the generic tier"
         )
     return out
+
+
+def quarantined(adapter: MixerAdapter, boundaries: Boundaries, arguments: dict[str, Any],
+                 run: Callable[[dict[str, Any]], Any]) -> Any:
+    """``run(arguments)`` with a sample whose input hidden states hold NaN/inf taken out of the mixing (zeros in, NaN
+    out: :class:`packfree_plugin.ops._nonfinite.Quarantine`), whichever kernel the native tier reaches (fla,
+    mamba-ssm and causal-conv1d do not isolate samples; packfree's torch ops do, so routed layers that reach only
+    those skip this: :func:`.routes.may_reach_kernels`). Finite inputs pass unchanged.
+    Compiled graphs skip it: its per-token sample index follows the packing, which graphs take as data only inside
+    packfree's opaque op (whose torch ops quarantine on their own)."""
+    if torch.compiler.is_compiling():
+        return run(arguments)
+    hidden = arguments[adapter.hidden_arg]
+    quarantine = Quarantine(boundaries.seq_idx.to(hidden.device), [(hidden, 1)])
+    (arguments[adapter.hidden_arg],) = quarantine.clean()
+    out = run(arguments)
+    if adapter.output_index is None:
+        return quarantine.mark(out)
+    indices = {adapter.output_index} if isinstance(adapter.output_index, int) else set(adapter.output_index)
+    marked = [quarantine.mark(value) if i in indices and isinstance(value, torch.Tensor) else value
+              for i, value in enumerate(out)]
+    return marked if isinstance(out, list) else tuple(marked)
