@@ -8,8 +8,8 @@ attention class from a table of implementations find a ``"packfree"`` entry (:mo
 ``set_attn_implementation``, so that a model switched to ``"packfree"`` after loading is prepared the same way (the
 load-time proof included) or refused with its reason and left as it was, and one switched away from it is released
 (:func:`packfree_plugin.prepare.release`) to run as stock.
-:func:`register` also has DeepSpeed's Ulysses registration (which accelerate's and the Trainer's sequence-parallel config
-call) take packfree's route for packfree models, once DeepSpeed's module is imported
+:func:`register` also has DeepSpeed's Ulysses registration (which accelerate's and the Trainer's sequence-parallel
+config call) take packfree's route for packfree models, once DeepSpeed's module is imported
 (:mod:`.integrations.deepspeed`). :func:`unregister` undoes all of it.
 """
 

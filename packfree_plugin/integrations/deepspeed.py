@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["TESTED", "UlyssesRows", "install", "install_when_imported", "installed", "uninstall"]
@@ -160,7 +161,10 @@ def _register(original: Callable[..., Any], arguments: dict[str, Any]) -> Any:
         _refuse_stock_mixers(model, core)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        ALL_ATTENTION_FUNCTIONS[core] = _refusing_packed_rows(ALL_ATTENTION_FUNCTIONS[core], core)
+        mpu = original(**arguments)
+        ALL_ATTENTION_FUNCTIONS[core] = _refusing_packed_rows(ALL_ATTENTION_FUNCTIONS[core], core, mpu,
+                                                              bool(arguments.get("disable_in_eval", False)))
+        return mpu
     return original(**arguments)
 
 
@@ -206,31 +210,29 @@ def _refuse_stock_mixers(model: nn.Module, core: str) -> None:
             )
 
 
-def _refusing_packed_rows(attention: Callable[..., Any], core: str) -> Callable[..., Any]:
-    """``attention`` (a stock implementation DeepSpeed Ulysses wraps) refusing a packed row without a mask: after
-    Ulysses' exchange every rank holds the whole row's ``position_ids [B, T]``, so every rank refuses alike."""
+def _refusing_packed_rows(ulysses: Callable[..., Any], core: str, mpu: ModuleType,
+                          disable_in_eval: bool) -> Callable[..., Any]:
+    """DeepSpeed's Ulysses wrapper of a stock attention ``core`` refusing a packed row: it drops the mask, so
+    ``core`` attends causally over the whole gathered row. Reads the row's ``position_ids`` gathered over the group,
+    so every rank refuses alike, before DeepSpeed's own shape checks."""
 
-    @functools.wraps(attention)
-    def checked(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    @functools.wraps(ulysses)
+    def checked(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         position_ids = kwargs.get("position_ids")
-        if attention_mask is None and isinstance(position_ids, torch.Tensor) and bool(
-                (position_ids[..., 1:] == 0).any()):
-            raise ValueError(
-                f"a packed row (position_ids restarting inside the row) reached {core} attention under DeepSpeed "
-                f"Ulysses, which drops the attention mask: {core} would attend causally over the whole gathered row, "
-                "so its samples would attend to each other. Load the model with attn_implementation='packfree' and "
-                "leave sp_attn_implementation unset (docs/distributed.md)"
-            )
-        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        if isinstance(position_ids, torch.Tensor) and (module.training or not disable_in_eval):
+            group = mpu.get_sequence_parallel_group()
+            parts = [torch.empty_like(position_ids) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, position_ids.contiguous(), group=group)
+            if bool((torch.cat(parts, dim=-1)[..., 1:] == 0).any()):
+                raise ValueError(
+                    f"a packed row (position_ids restarting inside the row) reached {core} attention under DeepSpeed "
+                    f"Ulysses, which drops the attention mask: {core} would attend causally over the whole gathered "
+                    "row, so its samples would attend to each other. Load the model with "
+                    "attn_implementation='packfree' and leave sp_attn_implementation unset (docs/distributed.md)"
+                )
+        return ulysses(module, query, *args, **kwargs)
 
     return checked
-
-
-def _positions_of(cu_seq_lens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``position_ids`` ``shape`` (``[1, T]``) restarting at every start of ``cu_seq_lens [n + 1]``."""
-    lengths = cu_seq_lens.diff().tolist()
-    return torch.cat([torch.arange(n) for n in lengths]).reshape(shape)
 
 
 class UlyssesRows:
