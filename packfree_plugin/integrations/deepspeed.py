@@ -245,7 +245,8 @@ class UlyssesRows:
     [B, L]``, as ``DataCollatorWithFlattening`` or TRL's ``padding_free`` collator); their real tokens are
     concatenated in order. A sample's first label is set to -100: in a packed row the token before it belongs to
     another sample. The row ends with one padding sample (positions 0, 1, ...; labels -100) up to ``length`` tokens
-    (a multiple of ``sp_size``; default: the next multiple of ``sp_size``). Other per-token keys are refused."""
+    (a multiple of ``sp_size``; default: the next multiple of ``sp_size``). Give ``length`` on gloo (CPU): DeepSpeed's
+    adapter all-gathers every rank's row, and gloo refuses rows of unequal sizes. Other per-token keys are refused."""
 
     def __init__(self, collator: Callable[[list[Any]], dict[str, Any]], sp_size: int, *, length: int | None = None,
                  pad_token_id: int = 0) -> None:
