@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/trainer_sp.py --tiny     # tiny Qwen3-Next, 2 steps, seconds on a CPU
     torchrun --nproc-per-node 1 examples/trainer_sp.py --tiny     # one process: the same losses
+    torchrun --nproc-per-node 2 examples/trainer_sp.py --tiny --sft   # TRL's SFTTrainer, padding_free=True
     torchrun --nproc-per-node 4 examples/trainer_sp.py --model PATH --samples-per-row 64 --steps 100
 
 The user's side is three lines: load the model with ``attn_implementation="packfree"``, set
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--row-length", type=int, default=None,
                         help="tokens in every row, padded (default 64 per sample: the samples here are 8..64 tokens)")
     parser.add_argument("--zero", type=int, default=0, choices=range(4), help="DeepSpeed ZeRO stage")
+    parser.add_argument("--sft", action="store_true",
+                        help="TRL's SFTTrainer (SFTConfig(padding_free=True)) instead of transformers' Trainer")
     parser.add_argument("--output-dir", default="trainer-sp-output")
     args = parser.parse_args()
     steps = args.steps or (2 if args.tiny else 10)
@@ -60,11 +63,10 @@ def main() -> None:
         parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=world, sp_handler=handler)
     deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "train_batch_size": "auto", "zero_optimization": {"stage": args.zero}}
-    training = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.samples_per_row, max_steps=steps,
-        learning_rate=1e-3, use_cpu=not torch.cuda.is_available(), parallelism_config=parallelism,
-        deepspeed=deepspeed, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True)
+    settings = dict(output_dir=args.output_dir, per_device_train_batch_size=args.samples_per_row, max_steps=steps,
+                    learning_rate=1e-3, use_cpu=not torch.cuda.is_available(), parallelism_config=parallelism,
+                    deepspeed=deepspeed, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
+                    report_to=[], disable_tqdm=True)
 
     class PrintLoss(TrainerCallback):
         def on_log(self, arguments, state, control, logs=None, **kwargs) -> None:
@@ -72,9 +74,23 @@ def main() -> None:
                 print(f"step {state.global_step}: {args.samples_per_row} samples in one row over {world} "
                       f"rank{'s' * (world > 1)}, loss {logs['loss']:.6f}", flush=True)
 
-    trainer = Trainer(model=model, args=training, train_dataset=samples(args.samples_per_row * steps, seed=0),
-                      data_collator=UlyssesRows(DataCollatorWithFlattening(), world, length=row_length),
-                      callbacks=[PrintLoss()])
+    dataset = samples(args.samples_per_row * steps, seed=0)
+    if args.sft:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from packfree_plugin.tiny import tiny_tokenizer
+
+        # padding_free: TRL's collator packs each batch into one row (max_length=None: TRL 1.16 requires it then)
+        # router_aux_loss_coef=0: the tiny Qwen3-Next is dense, with no router loss to add
+        config = SFTConfig(padding_free=True, max_length=None, bf16=False, router_aux_loss_coef=0.0, **settings)
+        trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(dataset),
+                             processing_class=tiny_tokenizer(), callbacks=[PrintLoss()])
+        trainer.data_collator = UlyssesRows(trainer.data_collator, world, length=row_length)
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=dataset,
+                          data_collator=UlyssesRows(DataCollatorWithFlattening(), world, length=row_length),
+                          callbacks=[PrintLoss()])
     trainer.train()
 
 

@@ -79,15 +79,18 @@ def test_long_context_sp_on_two_ranks(tmp_path) -> None:
         and len(losses(output)) == 2, output
 
 
-def test_trainer_sp_on_two_ranks_equals_one_process(tmp_path) -> None:
-    """The HF Trainer with accelerate's sequence-parallel config: 2 ranks print the losses one process prints (the
-    same rows, float32 after an AdamW step: 1e-5)."""
+@pytest.mark.parametrize("trainer", ["trainer", "sft"])
+def test_trainer_sp_on_two_ranks_equals_one_process(trainer: str, tmp_path) -> None:
+    """The HF Trainer (and TRL's SFTTrainer, padding_free=True) with accelerate's sequence-parallel config: 2 ranks
+    print the losses one process prints (the same rows, float32 after an AdamW step: 1e-5)."""
     pytest.importorskip("deepspeed")
+    if trainer == "sft":
+        pytest.importorskip("trl")
     found = {}
     for ranks in (2, 1):
         output = run_example(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                              str(EXAMPLES / "trainer_sp.py"), "--tiny", "--output-dir", str(tmp_path / f"o{ranks}")],
-                             tmp_path)
+                              str(EXAMPLES / "trainer_sp.py"), "--tiny", "--output-dir", str(tmp_path / f"o{ranks}"),
+                              *(["--sft"] if trainer == "sft" else [])], tmp_path)
         assert re.search(rf"^step 1: 4 samples in one row over {ranks} ranks?, loss", output, re.MULTILINE), output
         assert_trained(output)
         found[ranks] = losses(output)
