@@ -235,6 +235,11 @@ def _refusing_packed_rows(ulysses: Callable[..., Any], core: str, mpu: ModuleTyp
     return checked
 
 
+def _positions_of(cu_seq_lens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``position_ids`` of ``shape`` (``[1, T]``) restarting at every start of ``cu_seq_lens [n + 1]``."""
+    return torch.cat([torch.arange(n) for n in cu_seq_lens.diff().tolist()]).reshape(shape)
+
+
 class UlyssesRows:
     """A collator wrapper for DeepSpeed Ulysses (accelerate's ``sp_backend="deepspeed"``, the HF Trainer): every
     batch becomes one packed causal-LM row ``[1, T]`` of ``input_ids``, ``position_ids`` (restarting at 0 in every
