@@ -50,13 +50,15 @@ class Run:
     stock: str | None = None  # load the model with this stock attention (a refusal case)
     sp_attn: str | None = None  # sp_attn_implementation (None: unset, as packfree's route wants)
     evaluate: bool = False  # evaluate after the step (whole rows, unsplit)
+    padded: bool = False  # the collator pads rows (one per sample) instead of UlyssesRows (a refusal case)
 
     @property
     def name(self) -> str:
         parts = [self.model_type, f"zero{self.zero}", f"{self.world}ranks", "-".join(map(str, self.lengths))]
         extra = [f"{key}={value}" for key, value in self.overrides]
         flags = [flag for flag, on in (("eval", self.evaluate), (f"stock={self.stock}", self.stock),
-                                       (f"sp_attn={self.sp_attn}", self.sp_attn), (self.plant, self.plant)) if on]
+                                       (f"sp_attn={self.sp_attn}", self.sp_attn), (self.plant, self.plant),
+                                       ("padded", self.padded)) if on]
         return "/".join(parts + extra + flags)
 
     @property
@@ -81,6 +83,7 @@ REFUSED = {
     Run("llama", ODD, stock="sdpa", sp_attn="sdpa"):
         "packed row.*reached sdpa attention.*attn_implementation='packfree'",
     Run("granitemoehybrid", ODD, stock="sdpa", sp_attn="sdpa"): "mixes tokens outside attention.*'packfree'",
+    Run("llama", EDGES2, padded=True): "a batch of 4 rows.*UlyssesRows",
 }
 FULL = [
     *(Run(model_type, lengths, zero=zero, overrides=overrides)
@@ -125,8 +128,20 @@ def _trainer(run: Run, model: torch.nn.Module, output_dir: str):
                              per_device_eval_batch_size=len(samples), max_steps=1, use_cpu=True,
                              parallelism_config=parallelism, deepspeed=deepspeed, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential")
-    return Trainer(model=model, args=args, train_dataset=samples, eval_dataset=samples,
-                   data_collator=UlyssesRows(DataCollatorWithFlattening(), run.world))
+    collator = _padded_rows if run.padded else UlyssesRows(DataCollatorWithFlattening(), run.world)
+    return Trainer(model=model, args=args, train_dataset=samples, eval_dataset=samples, data_collator=collator)
+
+
+def _padded_rows(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """One right-padded row per sample ``[B, L]`` with ``position_ids`` and ``labels`` (what Ulysses' data loader
+    adapter takes, without UlyssesRows)."""
+    width = max(len(feature["input_ids"]) for feature in features)
+    tokens = torch.zeros(len(features), width, dtype=torch.long)
+    labels = torch.full_like(tokens, -100)
+    for row, feature in enumerate(features):
+        tokens[row, :len(feature["input_ids"])] = labels[row, :len(feature["input_ids"])] = torch.tensor(
+            feature["input_ids"])
+    return {"input_ids": tokens, "position_ids": torch.arange(width).expand_as(tokens).clone(), "labels": labels}
 
 
 def _step(run: Run, output_dir: str) -> dict[str, object]:
