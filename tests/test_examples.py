@@ -77,3 +77,26 @@ def test_long_context_sp_on_two_ranks(tmp_path) -> None:
                           str(EXAMPLES / "long_context_sp.py"), "--tiny"], tmp_path)
     assert re.findall(r"^step \d+: 256 tokens over 2 ranks \(128 each\), loss [0-9.]+$", output, re.MULTILINE) \
         and len(losses(output)) == 2, output
+
+
+SP_RECIPES = {"trainer": ["trainer_sp.py"], "sft": ["trainer_sp.py", "--sft"], "accelerate": ["accelerate_sp.py"]}
+
+
+@pytest.mark.parametrize("recipe", list(SP_RECIPES))
+def test_sequence_parallel_recipe_on_two_ranks_equals_one_process(recipe: str, tmp_path) -> None:
+    """The HF Trainer, TRL's SFTTrainer (padding_free=True) and an accelerate loop with accelerate's sequence-parallel
+    config: 2 ranks print the losses one process prints (the same rows, float32 after an optimizer step: 1e-5; the
+    accelerate loop steps with SGD, so a gradient off by a factor moves its second loss)."""
+    pytest.importorskip("deepspeed")
+    if recipe == "sft":
+        pytest.importorskip("trl")
+    script, *flags = SP_RECIPES[recipe]
+    found = {}
+    for ranks in (2, 1):
+        output_dir = ["--output-dir", str(tmp_path / f"o{ranks}")] if script == "trainer_sp.py" else []
+        output = run_example(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                              str(EXAMPLES / script), "--tiny", *flags, *output_dir], tmp_path)
+        assert re.search(rf"^step \d+: 4 samples in one row over {ranks} ranks?, loss", output, re.MULTILINE), output
+        assert_trained(output)
+        found[ranks] = losses(output)
+    assert found[2] == pytest.approx(found[1], rel=1e-5)

@@ -11,15 +11,16 @@ FLOORS = (  # bottom first, by subpackage of packfree_plugin, or by module where
     {"compat", "boundaries", "classes", "ops"},
     {"forward"},
     {"attention"},
-    {"loading.register"},
+    {"loading.register", "integrations.deepspeed"},
     {"adapters"},
     {"parallel", "packing", "integrations"},
     {"gate"},
     {"loading"},
     {"cli", "__init__", "__main__"},
 )
-"""``loading.register`` only registers the attention with transformers, so it stands below the integrations that
-register packfree when they build a model; the rest of ``loading`` prepares models with everything below it."""
+"""``loading.register`` only registers the attention with transformers (and installs the DeepSpeed hook of
+``integrations.deepspeed``, which imports nothing of packfree's when it loads), so it stands below the integrations
+that register packfree when they build a model; the rest of ``loading`` prepares models with everything below it."""
 ARROWS_UP: set[tuple[str, str]] = set()
 """Known arrows back up: none."""
 

@@ -8,7 +8,9 @@ attention class from a table of implementations find a ``"packfree"`` entry (:mo
 ``set_attn_implementation``, so that a model switched to ``"packfree"`` after loading is prepared the same way (the
 load-time proof included) or refused with its reason and left as it was, and one switched away from it is released
 (:func:`packfree_plugin.loading.prepare.release`) to run as stock.
-:func:`unregister` undoes all of it.
+:func:`register` also has DeepSpeed's Ulysses registration (which accelerate's and the Trainer's sequence-parallel
+config call) take packfree's route for packfree models, once DeepSpeed's module is imported
+(:mod:`packfree_plugin.integrations.deepspeed`). :func:`unregister` undoes all of it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import packfree_attention_forward, packfree_attention_mask
+from ..integrations import deepspeed
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "unregister", "is_registered"]
 
@@ -45,6 +48,7 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, packfree_attention_mask)
     if hasattr(PreTrainedModel, _ORIGINAL_POST_INIT):
         return
+    deepspeed.install_when_imported()
     original = PreTrainedModel.post_init
 
     @functools.wraps(original)
@@ -122,6 +126,7 @@ def unregister() -> None:
 
     uninstall_routes()
     remove_implementation_entries()
+    deepspeed.uninstall()
     # transformers has no public way to remove a registration: these two dicts are the registries themselves
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
     AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)

@@ -32,6 +32,7 @@ from .shard import SequenceShard
 __all__ = ["check_splittable", "layout_of", "prepare_sequence_parallel"]
 
 _HOOK_ATTR = "_packfree_sequence_parallel"
+_EVAL_ATTR = "_packfree_sequence_parallel_off_in_eval"
 HEAD_PARALLEL_FORWARDS = (native_forward, lightning_forward, rg_lru_forward)
 """Adapter forwards whose every token-mixing step is a routed op with a head-parallel layout (a :class:`~packfree_plugin.ops.opaque.Layout`):
 the native tier's routes, MiniMax's lightning attention, RecurrentGemma's conv + RG-LRU."""
@@ -58,6 +59,8 @@ def _shard_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     models get the same boundary object through their kwargs), and turn the cache off as for any packed row."""
     local = boundaries_here()  # what packfree's hook just pushed (models without **kwargs get no packfree_boundaries)
     if local is None or local.sequence_shard is not None:
+        return None
+    if not module.training and getattr(module, _EVAL_ATTR, False):  # eval runs whole rows, as Ulysses does then
         return None
     group = getattr(module, _HOOK_ATTR)
     given = [name for name in PACKING_KWARGS if kwargs.get(name) is not None]
@@ -124,10 +127,11 @@ def check_splittable(model: nn.Module) -> None:
             )
 
 
-def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
+                              disable_in_eval: bool = False) -> nn.Module:
     """Make a packfree model run one packed row split over ``group`` (default: the world): whole-row boundaries
-    for its attention and head-parallel routed mixers. Raises ``ValueError`` for a model packfree cannot split
-    exactly. Idempotent; returns ``model``."""
+    for its attention and head-parallel routed mixers; with ``disable_in_eval``, whole rows unsplit in eval mode.
+    Raises ``ValueError`` for a model packfree cannot split exactly. Idempotent; returns ``model``."""
     from transformers import PreTrainedModel
 
     if not dist.is_initialized():
@@ -140,6 +144,7 @@ def prepare_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None 
     add_step(outermost, _shard_hook)
     leave_targets_to_a_step(outermost)
     setattr(outermost, _HOOK_ATTR, group)
+    setattr(outermost, _EVAL_ATTR, disable_in_eval)
     return model
 
 

@@ -86,10 +86,12 @@ def _packfree_around(ulysses: Callable[..., tuple[torch.Tensor, Any]], widths: t
     return attention
 
 
-def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_batch_size: int = 1) -> Any:
+def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_batch_size: int = 1,
+                     disable_in_eval: bool = False) -> Any:
     """Register DeepSpeed's ``UlyssesSPAttentionHF`` around packfree attention (variable row lengths) and prepare
     ``model`` for shards of its group; returns DeepSpeed's ``mpu`` (its parallel-state module). A model without
-    attention layers (Mamba) skips the registration and splits its mixers over the same group. Needs
+    attention layers (Mamba) skips the registration and splits its mixers over the same group. ``disable_in_eval``
+    (DeepSpeed's, accelerate's ``sp_disable_in_eval``): in eval mode every rank runs whole rows, unsplit. Needs
     ``deepspeed.init_distributed()`` (or :func:`init_deepspeed`) first."""
     if sequence_parallel_size < 2:
         raise ValueError(f"sequence_parallel_size={sequence_parallel_size}: one rank holds the whole row, so there is "
@@ -109,12 +111,12 @@ def register_ulysses(model: nn.Module, sequence_parallel_size: int, *, micro_bat
         UlyssesSPAttentionHF.register_with_transformers(
             SimpleNamespace(config=config), core_attn_implementation="packfree",
             sequence_parallel_size=sequence_parallel_size, micro_batch_size=micro_batch_size,
-            seq_length_is_variable=True)
+            seq_length_is_variable=True, disable_in_eval=disable_in_eval)
         ALL_ATTENTION_FUNCTIONS["packfree"] = _packfree_around(ALL_ATTENTION_FUNCTIONS["packfree"], widths,
                                                                sequence_parallel_size)
     else:
         mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size)
-    prepare_sequence_parallel(model, mpu.get_sequence_parallel_group())
+    prepare_sequence_parallel(model, mpu.get_sequence_parallel_group(), disable_in_eval=disable_in_eval)
     return mpu
 
 
