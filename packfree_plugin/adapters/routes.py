@@ -100,11 +100,14 @@ def _flattened(boundaries: Boundaries, op: Callable, *tensors: torch.Tensor, **o
     """Run an fla-style op (``[B, T, ...]`` tensors, ``cu_seqlens`` needs B == 1) on the flattened rows.
     validate=False: boundaries build their cu_seqlens valid (reading it back per layer costs a short row dearly),
     and hand over the per-token form they hold (the op would derive it again)."""
+    from ..ops._memo import host_of, keep_host
     from ..ops._seq import describe_cu_seqlens
 
     batch, seq_len = tensors[0].shape[:2]
     flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
-    cu_seqlens = describe_cu_seqlens(boundaries.cu_seqlens, boundaries.seq_idx.view(1, batch * seq_len))
+    flat_ids = boundaries.memo("flat_seq_idx", lambda: keep_host(boundaries.seq_idx.view(1, batch * seq_len),
+                                                                 host_of(boundaries.seq_idx).reshape(1, -1)))
+    cu_seqlens = describe_cu_seqlens(boundaries.cu_seqlens, flat_ids)
     out, _ = op(*flat, cu_seqlens=cu_seqlens, validate=False, **options)
     return out.reshape(batch, seq_len, *out.shape[2:]).to(tensors[2].dtype)
 
@@ -161,7 +164,7 @@ def _selective_scan_op(boundaries: Boundaries, u, delta, A, B, C, D, z, delta_bi
     from ..ops.selective_scan import selective_scan
 
     return selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                          seq_idx=boundaries.seq_idx).to(u.dtype).contiguous()
+                          seq_idx=boundaries.seq_idx, validate=False).to(u.dtype).contiguous()
 
 
 def _selective_scan(call: NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,

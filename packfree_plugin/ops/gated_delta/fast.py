@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from packfree_plugin.ops._boundary_doc import with_boundary_doc
 from packfree_plugin.ops.gated_delta.gates import kda_gate, l2norm
-from packfree_plugin.ops._memo import memo
+from packfree_plugin.ops._memo import host_of, memo
 from packfree_plugin.ops._nonfinite import Quarantine
 from packfree_plugin.ops._seq import resolve_seq_idx
 from packfree_plugin.ops._varlen import (
@@ -438,7 +438,7 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     def build() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         if seq_idx.device.type == "cpu" and not torch.compiler.is_compiling():
-            arrays = map(torch.from_numpy, _mask_arrays(seq_idx.numpy(), C, _host_causal(C)))
+            arrays = map(torch.from_numpy, _mask_arrays(host_of(seq_idx).copy(), C, _host_causal(C)))
         else:
             arrays = _mask_arrays(seq_idx, C, ~_above_diagonal(C, seq_idx.device))
         seq, cut, fresh, not_last, cont, same = arrays
