@@ -46,6 +46,7 @@ from torch import nn
 from .batch_reading import boundaries_for_call, tokens_of
 from .boundaries import Boundaries, Seq2SeqBoundaries
 from .context import boundaries_here, current, fits, in_prepared_forward, mark_prepared, pop, push
+from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from .rope_ids import check_rope_ids
 from .seq2seq import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .signature import class_forward_parameters, without_cache
@@ -201,7 +202,11 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     model's forward (:func:`model_forward`). Traced by torch.compile, without reading the batch: boundaries passed
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
-    (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
+    (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled); a decode
+    step (:func:`_decode_step`) reads nothing and pushes None."""
+    if len(args) <= 1 and _decode_step(args, kwargs):
+        push(None)
+        return args, kwargs
     if isinstance(kwargs.get("attention_mask"), Boundaries):
         # an outer model built packfree's mask and hands it to its inner model (PaliGemma to its Gemma): the inner
         # model takes it as its boundaries and makes its own mask from them (transformers' mask helpers read an
@@ -231,6 +236,19 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         return _read_batch(module, args, kwargs)
     push(boundaries)
     return args, kwargs
+
+
+def _decode_step(args: tuple, kwargs: dict) -> bool:
+    """Whether a call is a decode step: one token per row (``input_ids`` or ``inputs_embeds`` ``[B, 1, ...]``, by
+    keyword or first positional argument, as Mamba's heads call their backbone), a cache given by keyword, no
+    boundary keyword. A row of one token is one sample: there is nothing to pack,
+    so the step builds, reads and checks no boundaries and runs on transformers' own masks, as stock (which is what
+    reading the batch concludes for it, at the cost of binding the call and walking the cache's layers)."""
+    tokens = _call_tokens(args, kwargs)
+    return (tokens is not None and tokens.shape[1] == 1
+            and any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS)
+            and all(kwargs.get(name) is None for name in PACKFREE_KWARGS)
+            and not isinstance(kwargs.get("attention_mask"), Boundaries))
 
 
 def leave_model() -> None:
