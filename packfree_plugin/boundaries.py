@@ -254,10 +254,11 @@ class Boundaries:
         boundaries = cls(
             host_of(cu_seqlens).tolist(), batch_size=batch_size, seq_len=seq_len, device=device, cu_seqlens=cu_seqlens
         )
-        if max_seqlen is not None and _as_int(max_seqlen) < boundaries.max_seqlen:  # an upper bound, as flash-attn reads it
+        longest = boundaries.max_seqlen
+        if max_seqlen is not None and _as_int(max_seqlen) < longest:  # an upper bound, as flash-attn reads it
             raise ValueError(
-                f"max_length {_as_int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {boundaries.max_seqlen}; "
-                f"pass max_length_q = max_length_k = {boundaries.max_seqlen}, or leave them out"
+                f"max_length {_as_int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {longest}; "
+                f"pass max_length_q = max_length_k = {longest}, or leave them out"
             )
         return boundaries
 
@@ -381,12 +382,13 @@ class Boundaries:
                                                                             host_of(cu_seq_lens_k)):
                 raise ValueError(
                     f"cu_seq_lens_k {_shown(host_of(cu_seq_lens_k).tolist())} differs from cu_seq_lens_q "
-                    f"{_shown(host_of(cu_seq_lens_q).tolist())}: a packed batch for self-attention has the same boundaries for "
-                    "queries and keys; pass the same tensor as both"
+                    f"{_shown(host_of(cu_seq_lens_q).tolist())}: a packed batch for self-attention has the same "
+                    "boundaries for queries and keys; pass the same tensor as both"
                 )
             if max_length_q is not None and max_length_k is not None and \
                     _as_int(max_length_q) != _as_int(max_length_k):
-                raise ValueError(f"max_length_q={_as_int(max_length_q)} differs from max_length_k={_as_int(max_length_k)}; "
+                raise ValueError(f"max_length_q={_as_int(max_length_q)} differs from "
+                                 f"max_length_k={_as_int(max_length_k)}; "
                                  "pass the longest sample's length as both")
             boundaries = cls.from_cu_seqlens(
                 cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, device=device, max_seqlen=max_length_q

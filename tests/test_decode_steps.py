@@ -60,3 +60,14 @@ def test_decode_steps_do_no_boundary_work_and_generate_equals_stock(model_type: 
     assert with_decoding == prompt_only, f"decode steps did boundary work: {dict(with_decoding - prompt_only)}"
     expected = stock.generate(**_prompts(), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, expected), f"generated {tokens.tolist()}, stock {expected.tolist()}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_generate_under_inference_mode_equals_stock(model_type: str) -> None:
+    """Under ``torch.inference_mode`` (tensors without a version counter, on which packfree keeps the batch's host
+    copy and its derived forms) the prompt's forward reads its batch and generate() gives stock's tokens."""
+    model, stock = shared_pair(model_type)
+    with torch.inference_mode():
+        tokens = model.generate(**_prompts(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        expected = stock.generate(**_prompts(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, expected), f"generated {tokens.tolist()}, stock {expected.tolist()}"

@@ -3,7 +3,9 @@ read once: :func:`host_of`.
 
 Every layer of a forward passes the same ``seq_idx`` / ``cu_seqlens`` tensor, so masks, index maps and value checks
 derived from it are built for the first layer and kept on the tensor itself (freed with it). An in-place write to
-the tensor bumps its version, which makes every value kept on it stale.
+the tensor bumps its version, which makes every value kept on it stale. An inference tensor (``torch.inference_mode``)
+has no version counter: what is kept on it holds until the next batch is read (:func:`read_to_host`), except the host
+values of the boundaries' own device forms (:func:`keep_host`), which nothing writes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ __all__ = ["host_of", "keep_host", "memo", "read_to_host"]
 _ATTR = "_packfree_memo"
 _HOST = "_packfree_host"
 Value = TypeVar("Value")
+_batches_read = [0]
+"""How many times :func:`read_to_host` ran: the stamp of what is kept on an inference tensor."""
+
+
+def _stamp(tensor: Tensor, *, own: bool = False) -> tuple:
+    """What must stay unchanged for a value kept on ``tensor`` to hold: its version; for an inference tensor, the
+    batch read (``own``: a form the boundaries built, which nothing writes, holds for good)."""
+    if not tensor.is_inference():
+        return ("version", tensor._version)
+    return ("own",) if own else ("batch", _batches_read[0])
 
 
 def memo(tensor: Tensor, name: str, key: Hashable, build: Callable[[], Value]) -> Value:
@@ -29,7 +41,7 @@ def memo(tensor: Tensor, name: str, key: Hashable, build: Callable[[], Value]) -
     place of the old. A ``build`` that raises keeps nothing.
     """
     kept = tensor.__dict__.setdefault(_ATTR, {})
-    stamp = (key, tensor._version)
+    stamp = (key, _stamp(tensor))
     entry = kept.get(name)
     if entry is None or entry[0] != stamp:
         entry = (stamp, build())
@@ -40,8 +52,12 @@ def memo(tensor: Tensor, name: str, key: Hashable, build: Callable[[], Value]) -
 def keep_host(tensor: Tensor, values: numpy.ndarray) -> Tensor:
     """Leave ``values`` (``tensor``'s own, already on the host: the boundaries built them there) on ``tensor`` for
     :func:`host_of`, read-only; returns ``tensor``."""
+    return _keep(tensor, values, own=True)
+
+
+def _keep(tensor: Tensor, values: numpy.ndarray, *, own: bool) -> Tensor:
     values.flags.writeable = False
-    tensor.__dict__[_HOST] = (tensor._version, values)
+    tensor.__dict__[_HOST] = (_stamp(tensor, own=own), values)
     return tensor
 
 
@@ -51,18 +67,19 @@ def host_of(tensor: Tensor) -> numpy.ndarray:
     kept = _kept(tensor)
     if kept is None:
         kept = tensor.detach().to("cpu").numpy()
-        keep_host(tensor, kept)
+        _keep(tensor, kept, own=False)
     return kept
 
 
 def _kept(tensor: Tensor) -> numpy.ndarray | None:
     kept = tensor.__dict__.get(_HOST)
-    return kept[1] if kept is not None and kept[0] == tensor._version else None
+    return kept[1] if kept is not None and kept[0] in (("own",), _stamp(tensor)) else None
 
 
 def read_to_host(tensors: Iterable[Tensor | None]) -> None:
     """Give every tensor of ``tensors`` its host copy (:func:`host_of`) in one device-to-host copy per device: the
     integer and bool tensors are read together, as one int64 buffer (a floating tensor is read on its own)."""
+    _batches_read[0] += 1
     pending: dict[int, Tensor] = {}
     for tensor in tensors:
         if isinstance(tensor, Tensor) and _kept(tensor) is None and id(tensor) not in pending:
@@ -80,4 +97,4 @@ def read_to_host(tensors: Iterable[Tensor | None]) -> None:
         buffer = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in group]).to("cpu").numpy()
         for tensor, values in zip(group, numpy.split(buffer, numpy.cumsum([t.numel() for t in group])[:-1])):
             dtype = numpy.dtype(str(tensor.dtype).removeprefix("torch."))
-            keep_host(tensor, values.astype(dtype).reshape(tuple(tensor.shape)))
+            _keep(tensor, values.astype(dtype).reshape(tuple(tensor.shape)), own=False)
