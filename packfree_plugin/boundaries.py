@@ -25,20 +25,22 @@ from whichever the batch carries, in this order:
 When a packed source (1-3) and an ``attention_mask`` are both given, each segment must be entirely
 kept (1) or entirely padding (0); anything else contradicts the packing and raises ``ValueError``.
 
-Host-side offsets are read once (one device-to-host copy of the source); the device forms
-(``cu_seqlens`` int32 ``[N+1]``, ``seq_idx`` int32 ``[B, T]``) are derived from them lazily and cached,
-so any number of layers can ask for any form without another device sync.
+Host-side offsets are read once (one device-to-host copy of the source, :func:`host_of`: the batch
+reader copies every boundary input and the labels in one go, :func:`read_to_host`); the device forms
+(``cu_seqlens`` int32 ``[N+1]``, ``seq_idx`` int32 ``[B, T]``) are derived from them lazily and cached, each with
+its host copy left on it, so any number of layers (and the ops' host-side paths) can ask for any form without
+another device sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy
 import torch
 
-__all__ = ["Boundaries", "Seq2SeqBoundaries", "id_starts", "kept_form", "memo"]
+__all__ = ["Boundaries", "Seq2SeqBoundaries", "host_of", "id_starts", "keep_host", "kept_form", "memo", "read_to_host"]
 
 _Form = TypeVar("_Form")
 
@@ -56,6 +58,17 @@ def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
 
 
 _MEMO_ATTR = "_packfree_memo"
+_HOST_ATTR = "_packfree_host"
+_batches_read = [0]
+"""How many times :func:`read_to_host` ran: the stamp of what is kept on an inference tensor."""
+
+
+def _stamp(tensor: torch.Tensor, *, own: bool = False) -> tuple:
+    """What must stay unchanged for a value kept on ``tensor`` to hold: its version; for an inference tensor (no
+    version counter), the batch read (``own``: a form the boundaries built, which nothing writes, holds for good)."""
+    if not tensor.is_inference():
+        return ("version", tensor._version)
+    return ("own",) if own else ("batch", _batches_read[0])
 
 
 def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build: Callable[[], _Form]) -> _Form:
@@ -64,13 +77,13 @@ def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build
 
     ``holder`` is a :class:`Boundaries` (its device forms, the portable attention's sample groups), or a boundary
     tensor every layer of a forward passes (``seq_idx`` / ``cu_seqlens`` given to an op directly; the value is
-    freed with it, and an in-place write, which bumps the tensor's version, makes it stale). One value per name: a
-    call with another ``key`` (a new chunk size, dtype or length) builds and keeps its own in place of the old. A
-    ``build`` that raises keeps nothing."""
+    freed with it, and an in-place write, which bumps the tensor's version, makes it stale; on an inference tensor it
+    holds until the next batch is read). One value per name: a call with another ``key`` (a new chunk size, dtype or
+    length) builds and keeps its own in place of the old. A ``build`` that raises keeps nothing."""
     if isinstance(holder, Boundaries):
         store, stamp = holder._device_forms, key
     else:
-        store, stamp = holder.__dict__.setdefault(_MEMO_ATTR, {}), (key, holder._version)
+        store, stamp = holder.__dict__.setdefault(_MEMO_ATTR, {}), (key, _stamp(holder))
     entry = store.get(name)
     if entry is None or entry[0] != stamp:
         entry = store[name] = (stamp, build())
@@ -81,6 +94,57 @@ def kept_form(holder: Boundaries, name: Hashable) -> Any:
     """What :func:`memo` keeps on ``holder`` under ``name``, or None."""
     entry = holder._device_forms.get(name)
     return None if entry is None else entry[1]
+
+
+def keep_host(tensor: torch.Tensor, values: numpy.ndarray) -> torch.Tensor:
+    """Leave ``values`` (``tensor``'s own, already on the host: the boundaries built them there) on ``tensor`` for
+    :func:`host_of`, read-only; returns ``tensor``."""
+    return _keep(tensor, values, own=True)
+
+
+def _keep(tensor: torch.Tensor, values: numpy.ndarray, *, own: bool) -> torch.Tensor:
+    values.flags.writeable = False
+    tensor.__dict__[_HOST_ATTR] = (_stamp(tensor, own=own), values)
+    return tensor
+
+
+def host_of(tensor: torch.Tensor) -> numpy.ndarray:
+    """``tensor``'s values as a read-only host array of its shape: the copy left on it (:func:`keep_host`,
+    :func:`read_to_host`), else read now (one device-to-host copy) and kept."""
+    kept = _kept_host(tensor)
+    if kept is None:
+        kept = tensor.detach().to("cpu").numpy()
+        _keep(tensor, kept, own=False)
+    return kept
+
+
+def _kept_host(tensor: torch.Tensor) -> numpy.ndarray | None:
+    kept = tensor.__dict__.get(_HOST_ATTR)
+    return kept[1] if kept is not None and kept[0] in (("own",), _stamp(tensor)) else None
+
+
+def read_to_host(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Give every tensor of ``tensors`` its host copy (:func:`host_of`) in one device-to-host copy per device: the
+    integer and bool tensors are read together, as one int64 buffer (a floating tensor is read on its own)."""
+    _batches_read[0] += 1
+    pending: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and _kept_host(tensor) is None and id(tensor) not in pending:
+            pending[id(tensor)] = tensor
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in pending.values():
+        if tensor.is_floating_point() or tensor.is_complex():
+            host_of(tensor)
+        else:
+            by_device.setdefault(tensor.device, []).append(tensor)
+    for group in by_device.values():
+        if len(group) == 1:
+            host_of(group[0])
+            continue
+        buffer = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in group]).to("cpu").numpy()
+        for tensor, values in zip(group, numpy.split(buffer, numpy.cumsum([t.numel() for t in group])[:-1])):
+            dtype = numpy.dtype(str(tensor.dtype).removeprefix("torch."))
+            _keep(tensor, values.astype(dtype).reshape(tuple(tensor.shape)), own=False)
 
 
 class Boundaries:
@@ -174,7 +238,9 @@ class Boundaries:
         """The ``position_ids`` the caller passed with the batch these describe (set by the model hook; None: none
         passed), which models that number positions themselves honour (:mod:`packfree_plugin.adapters.positions`)."""
         if cu_seqlens is not None:
-            memo(self, "cu_seqlens", None, lambda: cu_seqlens.to(dtype=torch.int32))
+            form = cu_seqlens.to(dtype=torch.int32)
+            memo(self, "cu_seqlens", None, lambda: form if form is cu_seqlens else keep_host(
+                form, numpy.array(offsets, dtype=numpy.int32)))
 
     def describes(self, batch_size: int, seq_len: int) -> bool:
         """Whether these segments tile a ``[batch_size, seq_len]`` batch. Compiled code calls this with symbolic
@@ -207,14 +273,17 @@ class Boundaries:
     def _per_token(self, values: numpy.ndarray) -> torch.Tensor:
         """Host ``[N]`` per-segment values -> ``[B, T]`` per-token values on :attr:`device` (numpy on the host: a
         quarter of torch's per-call cost, and every layer of a short row waits for these)."""
-        per_token = torch.from_numpy(numpy.repeat(values, self.lengths))
-        return per_token.view(self.batch_size, self.seq_len).to(self.device)
+        per_token = numpy.repeat(values, self.lengths).reshape(self.batch_size, self.seq_len)
+        return keep_host(torch.from_numpy(per_token).to(self.device), per_token)
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """``[N+1]`` int32 on :attr:`device`: segment offsets over the flattened ``B * T`` tokens."""
-        return memo(self, "cu_seqlens", None,
-                    lambda: torch.tensor(self.offsets, dtype=torch.int32, device=self.device))
+        def build() -> torch.Tensor:
+            host = numpy.array(self.offsets, dtype=numpy.int32)
+            return keep_host(torch.from_numpy(host).to(self.device), host)
+
+        return memo(self, "cu_seqlens", None, build)
 
     @property
     def seq_idx(self) -> torch.Tensor:
@@ -226,16 +295,17 @@ class Boundaries:
     def position_ids(self) -> torch.Tensor:
         """``[B, T]`` int64 on :attr:`device`: position of every token inside its segment."""
         def build() -> torch.Tensor:
-            starts = numpy.repeat(self.host_offsets.numpy()[:-1], self.lengths)
-            positions = numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts
-            return torch.from_numpy(positions).view(self.batch_size, self.seq_len).to(self.device)
+            starts = numpy.repeat(numpy.array(self.offsets[:-1], dtype=numpy.int64), self.lengths)
+            positions = (numpy.arange(self.batch_size * self.seq_len, dtype=numpy.int64) - starts).reshape(
+                self.batch_size, self.seq_len)
+            return keep_host(torch.from_numpy(positions).to(self.device), positions)
 
         return memo(self, "position_ids", None, build)
 
     @property
     def padding_tokens(self) -> torch.Tensor:
         """``[B, T]`` bool on :attr:`device`: True on tokens of padding segments."""
-        return memo(self, "padding_tokens", None, lambda: self._per_token(self.host_padding.numpy()))
+        return memo(self, "padding_tokens", None, lambda: self._per_token(numpy.array(self.padding, dtype=bool)))
 
     def __repr__(self) -> str:
         return (
@@ -262,22 +332,23 @@ class Boundaries:
         device = torch.device(device) if device is not None else cu_seqlens.device
         _require_device("cu_seqlens", cu_seqlens, device)
         boundaries = cls(
-            cu_seqlens.tolist(), batch_size=batch_size, seq_len=seq_len, device=device, cu_seqlens=cu_seqlens
+            host_of(cu_seqlens).tolist(), batch_size=batch_size, seq_len=seq_len, device=device, cu_seqlens=cu_seqlens
         )
-        if max_seqlen is not None and int(max_seqlen) < boundaries.max_seqlen:  # an upper bound, as flash-attn reads it
+        longest = boundaries.max_seqlen
+        if max_seqlen is not None and _as_int(max_seqlen) < longest:  # an upper bound, as flash-attn reads it
             raise ValueError(
-                f"max_length {int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {boundaries.max_seqlen}; "
-                f"pass max_length_q = max_length_k = {boundaries.max_seqlen}, or leave them out"
+                f"max_length {_as_int(max_seqlen)} contradicts cu_seqlens, whose longest segment is {longest}; "
+                f"pass max_length_q = max_length_k = {longest}, or leave them out"
             )
         return boundaries
 
     @classmethod
-    def from_starts(cls, starts: torch.Tensor, *, device: torch.device | str) -> Boundaries:
-        """From a host bool ``[B, T]`` tensor that is True at the first token of every segment."""
+    def from_starts(cls, starts: torch.Tensor | numpy.ndarray, *, device: torch.device | str) -> Boundaries:
+        """From a bool ``[B, T]`` tensor or host array that is True at the first token of every segment."""
         batch_size, seq_len = starts.shape
-        starts = starts.clone()
+        starts = numpy.array(host_of(starts) if isinstance(starts, torch.Tensor) else starts, dtype=bool)
         starts[:, 0] = True
-        offsets = starts.reshape(-1).nonzero().flatten().tolist() + [batch_size * seq_len]
+        offsets = numpy.flatnonzero(starts).tolist() + [batch_size * seq_len]
         return cls(offsets, batch_size=batch_size, seq_len=seq_len, device=device)
 
     @classmethod
@@ -288,16 +359,16 @@ class Boundaries:
         _require_integer("seq_idx", seq_idx)
         device = torch.device(device) if device is not None else seq_idx.device
         _require_device("seq_idx", seq_idx, device)
-        host = seq_idx.detach().to("cpu", torch.long)
+        host = host_of(seq_idx).astype(numpy.int64)
         step = host[:, 1:] - host[:, :-1]
         if (step < 0).any():
-            row, col = (step < 0).nonzero()[0].tolist()
+            row, col = numpy.argwhere(step < 0)[0].tolist()
             raise ValueError(
                 f"seq_idx must be non-decreasing along each row; row {row} goes from "
-                f"{host[row, col].item()} to {host[row, col + 1].item()} at token {col + 1}. Number each row's "
+                f"{host[row, col]} to {host[row, col + 1]} at token {col + 1}. Number each row's "
                 "samples in order (0, 0, 1, 1, 1, 2, ...)"
             )
-        starts = torch.zeros_like(host, dtype=torch.bool)
+        starts = numpy.zeros(host.shape, dtype=bool)
         starts[:, 1:] = step != 0
         return cls.from_starts(starts, device=device)
 
@@ -314,26 +385,25 @@ class Boundaries:
             _require_integer("position_ids", position_ids)
         device = torch.device(device) if device is not None else position_ids.device
         _require_device("position_ids", position_ids, device)
-        host = position_ids.detach().to("cpu", torch.float64 if position_ids.is_floating_point() else torch.long)
+        host = host_of(position_ids).astype(numpy.float64 if position_ids.is_floating_point() else numpy.int64)
         if host.ndim == 3 and host.shape[0] == 4:
             host = host[0]
         if host.ndim not in (2, 3):
             raise ValueError(f"position_ids must be [B, T] or [R, B, T], got shape {tuple(position_ids.shape)}")
         if attention_mask is None:  # every token kept: one vectorised pass on the host
-            starts = id_starts(host.numpy(), planes=host.ndim == 3)
+            starts = id_starts(host, planes=host.ndim == 3)
             starts[:, 0] = True
             batch_size, seq_len = starts.shape
             offsets = starts.ravel().nonzero()[0].tolist() + [batch_size * seq_len]
             return cls(offsets, batch_size=batch_size, seq_len=seq_len, device=device)
         kept = _host_padding_mask(attention_mask)
-        starts = torch.zeros(host.shape[-2:], dtype=torch.bool)
+        starts = numpy.zeros(host.shape[-2:], dtype=bool)
         for row in range(starts.shape[0]):
-            tokens = kept[row].nonzero().flatten()
-            row_starts = torch.from_numpy(id_starts(host[..., row, tokens].numpy(), planes=host.ndim == 3,
-                                                    tokens=tokens.numpy()))
-            after_gap = torch.zeros_like(row_starts)
+            tokens = numpy.flatnonzero(kept[row])
+            row_starts = id_starts(host[..., row, tokens], planes=host.ndim == 3, tokens=tokens)
+            after_gap = numpy.zeros_like(row_starts)
             after_gap[1:] = tokens[1:] > tokens[:-1] + 1
-            holes = (after_gap & ~row_starts).nonzero().flatten()
+            holes = numpy.flatnonzero(after_gap & ~row_starts)
             if len(holes):
                 token, before = int(tokens[holes[0]]), int(tokens[holes[0] - 1])
                 raise ValueError(
@@ -352,10 +422,10 @@ class Boundaries:
         """From a 2-D padding mask ``[B, T]`` (1 = token, 0 = padding): one sample per row."""
         host = _host_padding_mask(attention_mask)
         device = torch.device(device) if device is not None else attention_mask.device
-        starts = torch.zeros_like(host)
+        starts = numpy.zeros_like(host)
         starts[:, 1:] = host[:, 1:] != host[:, :-1]
-        runs_of_ones = (starts & host).sum(dim=1) + host[:, 0].long()
-        bad_rows = (runs_of_ones > 1).nonzero().flatten().tolist()
+        runs_of_ones = (starts & host).sum(axis=1) + host[:, 0]
+        bad_rows = numpy.flatnonzero(runs_of_ones > 1).tolist()
         if bad_rows:
             raise ValueError(
                 f"attention_mask row {bad_rows[0]} has a gap (a 0 between 1s): packfree reads a 2-D attention_mask "
@@ -388,14 +458,17 @@ class Boundaries:
                                  "cu_seq_lens_k (packfree packs self-attention rows)")
             _require_device("cu_seq_lens_q", cu_seq_lens_q, device)
             _require_device("cu_seq_lens_k", cu_seq_lens_k, device)
-            if cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+            if cu_seq_lens_k is not cu_seq_lens_q and not numpy.array_equal(host_of(cu_seq_lens_q),
+                                                                            host_of(cu_seq_lens_k)):
                 raise ValueError(
-                    f"cu_seq_lens_k {_shown(cu_seq_lens_k.tolist())} differs from cu_seq_lens_q "
-                    f"{_shown(cu_seq_lens_q.tolist())}: a packed batch for self-attention has the same boundaries for "
-                    "queries and keys; pass the same tensor as both"
+                    f"cu_seq_lens_k {_shown(host_of(cu_seq_lens_k).tolist())} differs from cu_seq_lens_q "
+                    f"{_shown(host_of(cu_seq_lens_q).tolist())}: a packed batch for self-attention has the same "
+                    "boundaries for queries and keys; pass the same tensor as both"
                 )
-            if max_length_q is not None and max_length_k is not None and int(max_length_q) != int(max_length_k):
-                raise ValueError(f"max_length_q={int(max_length_q)} differs from max_length_k={int(max_length_k)}; "
+            if max_length_q is not None and max_length_k is not None and \
+                    _as_int(max_length_q) != _as_int(max_length_k):
+                raise ValueError(f"max_length_q={_as_int(max_length_q)} differs from "
+                                 f"max_length_k={_as_int(max_length_k)}; "
                                  "pass the longest sample's length as both")
             boundaries = cls.from_cu_seqlens(
                 cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, device=device, max_seqlen=max_length_q
@@ -423,7 +496,7 @@ class Boundaries:
         return boundaries if host_mask is None else boundaries._with_padding(host_mask)
 
     # ---------------------------------------------------------------------------------- helpers
-    def _check_position_ids_agree(self, position_ids: torch.Tensor, host_mask: torch.Tensor | None) -> None:
+    def _check_position_ids_agree(self, position_ids: torch.Tensor, host_mask: numpy.ndarray | None) -> None:
         """``cu_seq_lens`` / ``seq_idx`` win over ``position_ids``, which may continue across a boundary they give;
         but a sample start that the ``position_ids`` show (a restart, on a kept token) must be one of theirs."""
         implied = Boundaries.from_position_ids(position_ids, device=self.device).offsets
@@ -438,11 +511,9 @@ class Boundaries:
                 "position_ids built from the same packing"
             )
 
-    def _with_padding(self, host_mask: torch.Tensor) -> Boundaries:
-        """Mark segments whose tokens are all 0 in ``host_mask [B, T]`` as padding; refuse mixed segments."""
-        kept_per_segment = torch.segment_reduce(
-            host_mask.reshape(-1).to(torch.float64), "sum", lengths=torch.tensor(self.lengths)
-        ).long().tolist()
+    def _with_padding(self, host_mask: numpy.ndarray) -> Boundaries:
+        """Mark segments whose tokens are all 0 in host bool ``host_mask [B, T]`` as padding; refuse mixed segments."""
+        kept_per_segment = numpy.add.reduceat(host_mask.reshape(-1).astype(numpy.int64), self.offsets[:-1]).tolist()
         for index, (kept, length) in enumerate(zip(kept_per_segment, self.lengths)):
             if 0 < kept < length:
                 start = self.offsets[index]
@@ -509,7 +580,7 @@ def _layout_hint(offsets: Sequence[int], batch_size: int, seq_len: int) -> str:
             f"attention_mask), pass cu_seq_lens_q = cu_seq_lens_k = {_shown(expected)}")
 
 
-def _id_at(ids: torch.Tensor, row: int, token: int) -> str:
+def _id_at(ids: numpy.ndarray, row: int, token: int) -> str:
     """The id of ``token`` in ``row`` of host ids ``[B, T]`` or ``[R, B, T]`` (every plane), for a message."""
     value = ids[..., row, token]
     return str(value.tolist())
@@ -546,12 +617,17 @@ def shape_disagreement(name: str, value: Any, batch_size: int, seq_len: int, *, 
             f"; {name} must be {expected}.{cause} Build every per-token field of the batch with the same padding")
 
 
-def _host_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` mask of 0/1 (any dtype) -> host bool tensor; other values raise."""
+def _as_int(value: int | torch.Tensor) -> int:
+    """An int given as an int or a one-element tensor (``max_length_q`` / ``_k``), read through its host copy."""
+    return int(host_of(value).reshape(-1)[0]) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _host_padding_mask(attention_mask: torch.Tensor) -> numpy.ndarray:
+    """``[B, T]`` mask of 0/1 (any dtype) -> host bool array; other values raise."""
     if attention_mask.ndim != 2:
         raise ValueError(f"attention_mask must be 2-D [B, T], got shape {tuple(attention_mask.shape)}")
-    host = attention_mask.detach().to("cpu")
-    if host.dtype != torch.bool:
+    host = host_of(attention_mask)
+    if host.dtype != bool:
         bad = ~((host == 0) | (host == 1))
         if bad.any():
             value = host[bad][0].item()

@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import compat
 from ..ops import backends, opaque
-from ..boundaries import Boundaries
+from ..boundaries import Boundaries, host_of, keep_host, memo
 from ..classes import routed_functions
 from ..forward.context import NativeCall, enter_native, exit_native, native_call
 from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
@@ -108,7 +108,9 @@ def _flattened(boundaries: Boundaries, op: Callable, *tensors: torch.Tensor, **o
 
     batch, seq_len = tensors[0].shape[:2]
     flat = [t.reshape(1, batch * seq_len, *t.shape[2:]) for t in tensors]
-    cu_seqlens = describe_cu_seqlens(boundaries.cu_seqlens, boundaries.seq_idx.view(1, batch * seq_len))
+    flat_ids = memo(boundaries, "flat_seq_idx", None, lambda: keep_host(
+        boundaries.seq_idx.view(1, batch * seq_len), host_of(boundaries.seq_idx).reshape(1, -1)))
+    cu_seqlens = describe_cu_seqlens(boundaries.cu_seqlens, flat_ids)
     out, _ = op(*flat, cu_seqlens=cu_seqlens, validate=False, **options)
     return out.reshape(batch, seq_len, *out.shape[2:]).to(tensors[2].dtype)
 
@@ -168,7 +170,7 @@ def _selective_scan_op(boundaries: Boundaries, u: torch.Tensor, delta: torch.Ten
     from ..ops.selective_scan import selective_scan
 
     return selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                          seq_idx=boundaries.seq_idx).to(u.dtype).contiguous()
+                          seq_idx=boundaries.seq_idx, validate=False).to(u.dtype).contiguous()
 
 
 def _selective_scan(call: NativeCall, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,

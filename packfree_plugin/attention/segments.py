@@ -8,6 +8,12 @@ in query blocks over only the keys in reach (O(L * W) memory);
 softcapping and sinks, which SDPA cannot express, go through the eager reference in the same blocks.
 Padding segments produce zeros.
 
+Each layer moves every token a constant number of times, forward and backward, however many groups and blocks
+there are: the groups are gathered by one permutation into group order and split into views (whose backward is one
+``cat``), written back by one inverse; query blocks are splits, their key ranges views whose gradients add into one
+buffer (:class:`_Narrows`). Slicing each group out of the row made, in backward, a zero gradient of the whole row
+for every group and block.
+
 Under ``torch.compile`` the same computation runs inside packfree's opaque custom op
 (:mod:`packfree_plugin.ops.opaque`, via :func:`~packfree_plugin.attention.run_packed_attention`), which
 receives the boundaries as a small CPU tensor: compiled graphs then neither unroll the segment loop nor
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy
 import torch
 import torch.nn.functional as F
 
@@ -34,33 +41,30 @@ otherwise cost one call each)."""
 
 
 class _Group(NamedTuple):
-    """``count`` samples of one ``length`` run as one batched call. ``start``: their first token when they lie back
-    to back (a view then replaces the gather); else None and ``index [count, length]`` holds their flat tokens.
-    (Named tuples: built per forward, a frozen dataclass costs several times more.)"""
+    """``count`` samples of one ``length`` run as one batched call: ``count * length`` consecutive tokens of the
+    plan's group order. (Named tuples: built per forward, a frozen dataclass costs several times more.)"""
 
     length: int
     count: int
-    start: int | None
-    index: torch.Tensor | None
-
-    def tokens(self, device: torch.device) -> torch.Tensor:
-        """``[count * length]`` flat token indices."""
-        if self.index is not None:
-            return self.index.reshape(-1)
-        return torch.arange(self.start, self.start + self.count * self.length, device=device)
 
 
 class _Plan(NamedTuple):
-    """How one packing runs: its groups, and where their outputs go (``where [tokens]``, None when the one group
-    is the whole batch in order)."""
+    """How one packing runs: its groups, laid out one after another in *group order*.
+
+    ``order [M]``: the flat token of each group-order token (None: group order is ``0 .. B*T - 1`` itself).
+    ``inverse [B*T]``: the group-order position of each flat token, when the groups cover every token (no padding)
+    in another order; None otherwise. Gathering is one ``index_select`` and one ``split`` (whose backward is one
+    ``cat``), writing back one ``index_select`` or ``index_copy``: each token is moved a constant number of times per
+    layer, forward and backward, however many groups there are."""
 
     groups: tuple[_Group, ...]
-    where: torch.Tensor | None
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
 
 
 def _plan(boundaries: Boundaries, device: torch.device, chunk: int | None) -> _Plan:
     """Group the spans of ``boundaries`` that attend only to themselves (:func:`_attended_spans`): long ones alone,
-    short ones by length; built once per forward."""
+    short ones by length; built once per forward, on the host."""
     runs: list[tuple[int, list[int]]] = []
     short: dict[int, list[int]] = {}
     for start, length in _attended_spans(boundaries, chunk):
@@ -68,25 +72,32 @@ def _plan(boundaries: Boundaries, device: torch.device, chunk: int | None) -> _P
             short.setdefault(length, []).append(start)
         else:
             runs.append((length, [start]))
-    groups = []
-    for length, starts in (*runs, *short.items()):
-        if starts == list(range(starts[0], starts[0] + length * len(starts), length)):
-            groups.append(_Group(length, len(starts), starts[0], None))
-        else:
-            index = (torch.tensor(starts)[:, None] + torch.arange(length)).to(device)
-            groups.append(_Group(length, len(starts), None, index))
+    groups = [_Group(length, len(starts)) for length, starts in (*runs, *short.items())]
+    starts = numpy.array([start for _, group_starts in (*runs, *short.items()) for start in group_starts],
+                         dtype=numpy.int64)
+    lengths = numpy.array([length for length, group_starts in (*runs, *short.items()) for _ in group_starts],
+                          dtype=numpy.int64)
+    order = numpy.repeat(starts - numpy.cumsum(lengths) + lengths, lengths) + numpy.arange(lengths.sum())
     total = boundaries.batch_size * boundaries.seq_len
-    if len(groups) == 1 and groups[0].start == 0 and groups[0].count * groups[0].length == total:
-        return _Plan(tuple(groups), None)
-    return _Plan(tuple(groups), torch.cat([group.tokens(device) for group in groups]) if groups else None)
+    if order.size == total and numpy.array_equal(order, numpy.arange(total)):
+        return _Plan(tuple(groups), None, None)
+    inverse = None
+    if order.size == total:
+        inverse = numpy.empty(total, dtype=numpy.int64)
+        inverse[order] = numpy.arange(total)
+        inverse = torch.from_numpy(inverse).to(device)
+    return _Plan(tuple(groups), torch.from_numpy(order).to(device), inverse)
 
 
-def _gather(flat: torch.Tensor, group: _Group) -> torch.Tensor:
-    """``flat [B*T, H, D]`` -> the group's ``[n, H, L, D]``."""
-    if group.index is None:
-        tokens = flat[group.start:group.start + group.count * group.length]
-        return tokens.view(group.count, group.length, *flat.shape[1:]).transpose(1, 2)
-    return flat[group.index].transpose(1, 2)
+def _grouped(t: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:
+    """``t [B, H, T, D]`` -> each group's ``[n, H, L, D]``: one gather into group order, then views."""
+    batch, heads, seq_len, dim = t.shape
+    flat = t.transpose(1, 2).reshape(batch * seq_len, heads, dim)  # a view for transformers' layout
+    if plan.order is not None:
+        flat = flat.index_select(0, plan.order)
+    pieces = flat.split([group.count * group.length for group in plan.groups])
+    return [piece.view(group.count, group.length, heads, dim).transpose(1, 2)
+            for piece, group in zip(pieces, plan.groups)]
 
 
 def _as_group(t: torch.Tensor, group: _Group) -> torch.Tensor:
@@ -121,27 +132,27 @@ def segment_attention(
     batch, heads, seq_len, _ = query.shape
     plan = memo(boundaries, ("segment_attention_plan", query.device, options.chunk), None,
                 lambda: _plan(boundaries, query.device, options.chunk))
-    if plan.where is None and plan.groups:  # one group: the whole batch, in order (samples of one length)
+    if plan.order is None and len(plan.groups) == 1:  # one group: the whole batch, in order (one sample length)
         group = plan.groups[0]
         out = _one_segment(_as_group(query, group), _as_group(key, group), _as_group(value, group), options,
                            training=training, query_block=query_block, bias=bias)
         # contiguous, as stock's output is (Dory views it)
         out = out.transpose(1, 2).reshape(batch, seq_len, heads, value.shape[-1]).contiguous()
         return out if out.dtype == query.dtype else out.to(query.dtype)
-    # [B*T, H, D] token-major views: transformers hands over q/k/v as transposes of [B, T, H, D] tensors, so
-    # these are usually views, not copies
-    flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], t.shape[3])
-                              for t in (query, key, value))
     outputs = [
-        _one_segment(_gather(flat_q, group), _gather(flat_k, group), _gather(flat_v, group), options,
-                     training=training, query_block=query_block, bias=bias).transpose(1, 2)  # [n, L, H, Dv]
-        for group in plan.groups
-    ]
-    result = query.new_zeros(batch * seq_len, heads, value.shape[-1])
-    if plan.where is not None:
-        values = torch.cat([out.reshape(-1, heads, value.shape[-1]) for out in outputs])
-        result = result.index_copy(0, plan.where, values.to(result.dtype))
-    return result.view(batch, seq_len, heads, value.shape[-1])
+        _one_segment(q, k, v, options, training=training, query_block=query_block, bias=bias).transpose(1, 2)
+        for q, k, v in zip(_grouped(query, plan), _grouped(key, plan), _grouped(value, plan))
+    ]  # [n, L, H, Dv] each
+    dim = value.shape[-1]
+    values = torch.cat([out.reshape(-1, heads, dim) for out in outputs]) if outputs else query.new_zeros(0, heads, dim)
+    values = values.to(query.dtype)
+    if plan.order is None:
+        result = values
+    elif plan.inverse is not None:
+        result = values.index_select(0, plan.inverse)
+    else:  # padding tokens keep zeros
+        result = query.new_zeros(batch * seq_len, heads, dim).index_copy(0, plan.order, values)
+    return result.view(batch, seq_len, heads, dim)
 
 
 def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int, int]]:
@@ -154,7 +165,8 @@ def _attended_spans(boundaries: Boundaries, chunk: int | None) -> list[tuple[int
         if not chunk:
             spans.append((start, length))
         else:
-            spans.extend((offset, min(chunk, start + length - offset)) for offset in range(start, start + length, chunk))
+            spans.extend((offset, min(chunk, start + length - offset))
+                         for offset in range(start, start + length, chunk))
     return spans
 
 
@@ -180,15 +192,36 @@ def _one_segment(
         )
     if length <= query_block:
         return eager_attention(query, key, value, options, q_offset=0, training=training)
-    blocks = []
-    for q_start in range(0, length, query_block):
-        q_end = min(q_start + query_block, length)
-        k_start, k_end = _keys_in_reach(q_start, q_end, length, options)
-        blocks.append(
-            _block(query[:, :, q_start:q_end], key[:, :, k_start:k_end], value[:, :, k_start:k_end], options,
-                   q_offset=q_start - k_start, training=training)
-        )
+    reach = [_keys_in_reach(q_start, min(q_start + query_block, length), length, options)
+             for q_start in range(0, length, query_block)]
+    every_key = all(bounds == (0, length) for bounds in reach)  # bidirectional, no window: each block sees all keys
+    keys, values = ([t] * len(reach) if every_key else _Narrows.apply(t, reach) for t in (key, value))
+    blocks = [_block(q, k, v, options, q_offset=index * query_block - k_start, training=training)
+              for index, (q, k, v, (k_start, _)) in enumerate(zip(query.split(query_block, dim=2), keys, values,
+                                                                    reach))]
     return torch.cat(blocks, dim=2)
+
+
+class _Narrows(torch.autograd.Function):
+    """``x [n, H, L, D]`` -> its views ``x[:, :, start:end]``, one per ``(start, end)`` of ``ranges`` (key ranges of
+    query blocks, which overlap). Backward adds their gradients into one buffer: slicing's own backward would fill a
+    zero tensor of ``x``'s size for every view."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.ranges, ctx.shape = ranges, x.shape
+        return tuple(x[:, :, start:end] for start, end in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        present = [(grad, bounds) for grad, bounds in zip(grads, ctx.ranges) if grad is not None]
+        if not present:
+            return None, None
+        buffer = present[0][0].new_zeros(ctx.shape)
+        for grad, (start, end) in present:
+            buffer[:, :, start:end] += grad
+        return buffer, None
 
 
 def _keys_in_reach(q_start: int, q_end: int, length: int, options: AttentionOptions) -> tuple[int, int]:
@@ -235,28 +268,30 @@ def _biased_segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------- cross-attention
-class _CrossGroup(NamedTuple):
-    """``count`` decoder samples of one length reading encoder samples of one length: their flat decoder tokens
-    ``queries [count, Lq]`` and encoder tokens ``keys [count, Lk]``."""
+class _CrossPlan(NamedTuple):
+    """Pairs grouped by (decoder length, encoder length): ``sizes`` holds each group's ``(count, Lq, Lk)``, in the
+    order its decoder tokens take in ``queries [Mq]`` and its encoder tokens in ``keys [Mk]`` (flat tokens, group
+    after group): one gather each, then views of consecutive tokens."""
 
+    sizes: tuple[tuple[int, int, int], ...]
     queries: torch.Tensor
     keys: torch.Tensor
 
 
-def _cross_plan(pairing: Seq2SeqBoundaries,
-                device: torch.device) -> tuple[tuple[_CrossGroup, ...], torch.Tensor | None]:
-    """Pairs grouped by (decoder length, encoder length), and ``where [tokens]``: the decoder tokens the groups'
-    outputs fill, in order. Built once per forward."""
+def _cross_plan(pairing: Seq2SeqBoundaries, device: torch.device) -> _CrossPlan:
+    """The pairs of ``pairing`` by lengths, built once per forward on the host."""
     by_lengths: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for decoder_start, decoder_length, encoder_start, encoder_length in pairing.pairs:
         by_lengths.setdefault((decoder_length, encoder_length), []).append((decoder_start, encoder_start))
-    groups = []
+    queries, keys = [], []
     for (decoder_length, encoder_length), starts in by_lengths.items():
-        first = torch.tensor(starts)
-        groups.append(_CrossGroup((first[:, :1] + torch.arange(decoder_length)).to(device),
-                                  (first[:, 1:] + torch.arange(encoder_length)).to(device)))
-    where = torch.cat([group.queries.reshape(-1) for group in groups]) if groups else None
-    return tuple(groups), where
+        first = numpy.array(starts, dtype=numpy.int64).reshape(-1, 2)
+        queries.append((first[:, :1] + numpy.arange(decoder_length)).reshape(-1))
+        keys.append((first[:, 1:] + numpy.arange(encoder_length)).reshape(-1))
+    sizes = tuple((len(starts), lq, lk) for (lq, lk), starts in by_lengths.items())
+    flat = (torch.from_numpy(numpy.concatenate(parts) if parts else numpy.zeros(0, numpy.int64)).to(device)
+            for parts in (queries, keys))
+    return _CrossPlan(sizes, *flat)
 
 
 def cross_segment_attention(
@@ -274,23 +309,26 @@ def cross_segment_attention(
     if options.window is not None or options.chunk is not None or options.causal:
         raise ValueError("packfree's packed cross-attention is full and bidirectional (no window, chunk or causality)")
     batch, heads, decoder_len, _ = query.shape
-    encoder_len = key.shape[2]
-    flat_q = query.transpose(1, 2).reshape(batch * decoder_len, heads, query.shape[3])
-    flat_k, flat_v = (t.transpose(1, 2).reshape(batch * encoder_len, t.shape[1], t.shape[3]) for t in (key, value))
-    groups, where = memo(pairing.decoder, ("cross_attention_plan", query.device), None,
-                         lambda: _cross_plan(pairing, query.device))
-    result = query.new_zeros(batch * decoder_len, heads, value.shape[-1])
-    if not groups:  # every decoder row is padding
-        return result.view(batch, decoder_len, heads, value.shape[-1])
+    encoder_len, dim = key.shape[2], value.shape[-1]
+    plan = memo(pairing.decoder, ("cross_attention_plan", query.device), None,
+                lambda: _cross_plan(pairing, query.device))
+    result = query.new_zeros(batch * decoder_len, heads, dim)
+    if not plan.sizes:  # every decoder row is padding
+        return result.view(batch, decoder_len, heads, dim)
+    flat_q = query.transpose(1, 2).reshape(batch * decoder_len, heads, query.shape[3]).index_select(0, plan.queries)
+    flat_k, flat_v = (t.transpose(1, 2).reshape(batch * encoder_len, t.shape[1], t.shape[3]).index_select(0, plan.keys)
+                      for t in (key, value))
     outputs = []
-    for group in groups:
-        q = flat_q[group.queries].transpose(1, 2)  # [n, H, Lq, D]
-        k, v = flat_k[group.keys].transpose(1, 2), flat_v[group.keys].transpose(1, 2)  # [n, Hkv, Lk, D]
+    for q, k, v, (count, lq, lk) in zip(flat_q.split([n * lq for n, lq, _ in plan.sizes]),
+                                        flat_k.split([n * lk for n, _, lk in plan.sizes]),
+                                        flat_v.split([n * lk for n, _, lk in plan.sizes]), plan.sizes):
+        q = q.view(count, lq, *q.shape[1:]).transpose(1, 2)  # [n, H, Lq, D]
+        k, v = (t.view(count, lk, *t.shape[1:]).transpose(1, 2) for t in (k, v))  # [n, Hkv, Lk, D]
         if options.needs_eager:
             out = eager_attention(q, k, v, options, training=training)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=options.dropout if training else 0.0,
                                                  scale=options.scale, enable_gqa=q.shape[1] != k.shape[1])
-        outputs.append(out.transpose(1, 2).reshape(-1, heads, value.shape[-1]))
-    result = result.index_copy(0, where, torch.cat(outputs).to(result.dtype))
-    return result.view(batch, decoder_len, heads, value.shape[-1])
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim))
+    result = result.index_copy(0, plan.queries, torch.cat(outputs).to(result.dtype))
+    return result.view(batch, decoder_len, heads, dim)

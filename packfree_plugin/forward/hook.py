@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .reading import boundaries_for_call, tokens_of
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
                       pop, push, push_unless_on_top)
+from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
+from .reading import boundaries_for_call, tokens_of
 from .rope_ids import check_rope_ids
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .signature import class_forward_parameters, without_cache
@@ -207,7 +208,10 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     model's forward (:func:`model_forward`). Traced by torch.compile, without reading the batch: boundaries passed
     as ``packfree_boundaries`` (by a parent model through its ``**kwargs``, or built ahead by the caller),
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
-    (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled)."""
+    (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled); a decode
+    step (:func:`_decode_step`) reads nothing and pushes None."""
+    if len(args) <= 1 and _decode_step(args, kwargs):
+        return args, kwargs, push_unless_on_top(None)
     if isinstance(kwargs.get("attention_mask"), Boundaries):
         # an outer model built packfree's mask and hands it to its inner model (PaliGemma to its Gemma): the inner
         # model takes it as its boundaries and makes its own mask from them (transformers' mask helpers read an
@@ -234,6 +238,19 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     if boundaries is None:
         return _read_batch(module, args, kwargs)
     return args, kwargs, push_unless_on_top(boundaries)
+
+
+def _decode_step(args: tuple, kwargs: dict) -> bool:
+    """Whether a call is a decode step: one token per row (``input_ids`` or ``inputs_embeds`` ``[B, 1, ...]``, by
+    keyword or first positional argument, as Mamba's heads call their backbone), a cache given by keyword, no
+    boundary keyword. A row of one token is one sample: there is nothing to pack,
+    so the step builds, reads and checks no boundaries and runs on transformers' own masks, as stock (which is what
+    reading the batch concludes for it, at the cost of binding the call and walking the cache's layers)."""
+    tokens = _call_tokens(args, kwargs)
+    return (tokens is not None and tokens.shape[1] == 1
+            and any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS)
+            and all(kwargs.get(name) is None for name in PACKFREE_KWARGS)
+            and not isinstance(kwargs.get("attention_mask"), Boundaries))
 
 
 def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:

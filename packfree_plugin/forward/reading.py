@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..boundaries import Boundaries, id_starts, shape_disagreement
+from ..boundaries import Boundaries, host_of, id_starts, read_to_host, shape_disagreement
 from ..classes import inherited_entry
 from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKING_KWARGS
 from .signature import tensor_leaves
@@ -90,6 +90,7 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
         return None
     arguments = check_shapes(arguments, batch_size, seq_len, reads_position_ids=reads_position_ids)
     attention_mask = arguments.get("attention_mask")
+    _read_batch_to_host(arguments, causal_labels=causal_labels)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
         packing = packing_signs(arguments)
         if packing:
@@ -119,6 +120,19 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
     if boundaries.is_packed and causal_labels:
         check_labels(arguments, boundaries)
     return boundaries
+
+
+def _read_batch_to_host(arguments: dict[str, Any], *, causal_labels: bool) -> None:
+    """The forward's one device-to-host read: every boundary input the batch carries (a 2-D ``attention_mask``
+    included) and, beside them, the targets :func:`check_labels` reads, copied together (:func:`read_to_host`), so
+    building the boundaries and checking the targets reads nothing more. A batch without boundary inputs reads
+    nothing (its labels are read only if it turns out packed, which it cannot)."""
+    mask = arguments.get("attention_mask")
+    sources = [arguments.get(name) for name in (*BOUNDARY_KWARGS, "position_ids")]
+    sources.append(mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
+    if any(isinstance(source, torch.Tensor) for source in sources):
+        targets = [arguments.get("shift_labels"), arguments.get("labels")] if causal_labels else []
+        read_to_host([*sources, *(t for t in targets if isinstance(t, torch.Tensor) and not t.is_floating_point())])
 
 
 def check_shapes(arguments: dict[str, Any], batch_size: int, seq_len: int, *,
@@ -206,9 +220,9 @@ def crossing_target(targets: torch.Tensor, boundaries: Boundaries, *, shifted: b
                  if not pad and start % seq_len and first_token <= (start - shifted) % seq_len < first_token + width]
     if not positions:
         return None
-    rows = torch.tensor([p // seq_len for p in positions], device=targets.device)
-    columns = torch.tensor([p % seq_len - first_token for p in positions], device=targets.device)
-    values = targets.reshape(boundaries.batch_size, width)[rows, columns].tolist()
+    rows = [p // seq_len for p in positions]
+    columns = [p % seq_len - first_token for p in positions]
+    values = host_of(targets).reshape(boundaries.batch_size, width)[rows, columns].tolist()
     crossing = next((index for index, value in enumerate(values) if value != IGNORE_INDEX), None)
     if crossing is None:
         return None

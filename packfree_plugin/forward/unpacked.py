@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy
 import torch
 
-from ..boundaries import id_starts
+from ..boundaries import host_of, id_starts
 from ..classes import inherited_entry, switched_on
 from .keywords import PACKING_KWARGS
 
@@ -29,30 +30,29 @@ __all__ = ["carries_packing_signal", "has_holes", "ids_start_samples",
 
 def has_holes(attention_mask: torch.Tensor) -> bool:
     """Whether some row of a 2-D ``attention_mask [B, T]`` (nonzero = kept) has a 0 between two kept tokens."""
-    kept = attention_mask.detach().to("cpu") != 0
-    runs = (kept[:, 1:] & ~kept[:, :-1]).sum(dim=1) + kept[:, 0].long()  # starts of runs of kept tokens
+    kept = host_of(attention_mask) != 0
+    runs = (kept[:, 1:] & ~kept[:, :-1]).sum(axis=1) + kept[:, 0]  # starts of runs of kept tokens
     return bool((runs > 1).any())
 
 
 def ids_start_samples(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether ``position_ids`` (``[B, T]``, ``[1, T]``, ``[3 | 4, B, T]``) start a new sample after the first kept
     token of some row (see the module docstring); ``attention_mask [B, T]``: nonzero on kept tokens, None: all kept."""
-    host = position_ids.detach().to("cpu")
-    host = host.to(torch.float64 if host.is_floating_point() else torch.long)
+    host = host_of(position_ids).astype(numpy.float64 if position_ids.is_floating_point() else numpy.int64)
     if host.ndim == 3 and host.shape[0] == 4:
         host = host[0]
     planes = host.ndim == 3
     if not planes:
         host = host[None]
     rows = host.shape[1]
-    kept = None if attention_mask is None else attention_mask.detach().to("cpu") != 0
+    kept = None if attention_mask is None else host_of(attention_mask) != 0
     for row in range(rows if kept is None else kept.shape[0]):
         ids = host[:, row if rows > 1 else 0]
         tokens = None
         if kept is not None:
-            tokens = kept[row].nonzero().flatten()
-            ids, tokens = ids[:, tokens], tokens.numpy()
-        starts = id_starts(ids.numpy() if planes else ids[0].numpy(), planes=planes, tokens=tokens)
+            tokens = numpy.flatnonzero(kept[row])
+            ids = ids[:, tokens]
+        starts = id_starts(ids if planes else ids[0], planes=planes, tokens=tokens)
         if bool(starts[1:].any()):
             return True
     return False

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..boundaries import host_of
 from ._seq import check_cu_seqlens_form
 
 
@@ -33,7 +34,7 @@ def host_offsets(cu_seqlens: torch.Tensor, *, batch: int, total: int, device: to
     Raises ValueError naming the offending values. This is the one device-to-host sync of an op call.
     """
     check_cu_seqlens_form(cu_seqlens, batch, device)
-    offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    offsets = tuple(host_of(cu_seqlens).tolist())
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]} (cu_seqlens={_short(offsets)})")
     bad = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]

@@ -17,14 +17,11 @@ forward and backward. :class:`Quarantine` removes such samples from the mixing i
   diverged sample's loss) never enters the op's backward.
 
 Other samples get exactly what they get without the poisoned one, forward and backward. A row without
-non-finite values pays one reduction and one ``where`` per input and one ``where`` per output; on the CPU, where
-reading a value back costs no device sync, it pays one reduction per input and one read, and the inputs and
-outputs pass through unchanged.
+non-finite values pays one reduction and one ``where`` per input and one ``where`` per output, on every device: it
+never reads a value back to the host (on a GPU that read would synchronise in every layer).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -55,17 +52,6 @@ def _token_sums(t: Tensor, time_dim: int) -> Tensor:
     return t.sum(dim=dims, dtype=acc) if dims else t.to(acc)
 
 
-def _all_finite_on_host(tensors: list[Tensor | None]) -> bool:
-    """Whether every value of ``tensors`` is finite, read on the host where that costs no device sync (CPU tensors,
-    outside a compiled graph); False where it is not read. One sum per tensor: finite exactly when every value is
-    (finite values whose sum overflows read as non-finite here, and take the per-sample path)."""
-    present = [t for t in tensors if t is not None]
-    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in present):
-        return False
-    with torch.no_grad():
-        return all(math.isfinite(t.sum(dtype=torch.float64)) for t in present)
-
-
 class Quarantine:
     """Which tokens belong to a sample with a non-finite input (module docstring).
 
@@ -88,10 +74,8 @@ class Quarantine:
     def _find(self, seq_idx: Tensor, per_token: list[tuple[Tensor | None, int]], initial_state: Tensor | None
               ) -> None:
         self.keep: Tensor | None = None
-        """``[B, T]`` bool, True where a token's sample is finite; None: every sample is."""
+        """``[B, T]`` bool, True where a token's sample is finite."""
         self.state_finite: Tensor | None = None
-        if _all_finite_on_host([t for t, _ in per_token] + [initial_state]):
-            return
         B, T = seq_idx.shape
         total = None
         for t, time_dim in per_token:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfree_plugin.attention import segments
 from packfree_plugin.attention.reference import AttentionOptions
@@ -191,3 +192,75 @@ def test_samples_of_one_length_run_as_views_of_transformers_layout(rows: int, le
         expected_grads = torch.autograd.grad((expected.transpose(0, 1) * weights[row, piece]).sum(), alone)
         for name, got, want in zip("qkv", grads, expected_grads):
             assert_close(got[row, piece], want[0], what=f"grad {name}, segment at {start}")
+
+
+@given(case, st.booleans())
+def test_gradients_equal_each_sample_alone(case: dict, padded: bool) -> None:
+    """Gradients of q, k, v through the grouped and blockwise paths (query blocks of 4: windows, softcap and sinks
+    run block by block over narrowed keys) equal those of each sample alone; a padding tail gets no gradient."""
+    heads, kv_heads = case["heads"]
+    tail = 3 if padded else 0
+    q, k, v, _ = _packed_inputs([*case["lengths"], tail] if tail else case["lengths"], heads, kv_heads, case["rows"],
+                                seed=2)
+    positions = torch.cat([torch.arange(n) for n in case["lengths"]] + [torch.arange(tail)]).expand(case["rows"], -1)
+    mask = (torch.arange(positions.shape[1]) < positions.shape[1] - tail).long().expand(case["rows"], -1)
+    boundaries = Boundaries.from_position_ids(positions, attention_mask=mask)
+    sinks = torch.linspace(-1.0, 1.0, heads, dtype=torch.float64) if case["sinks"] else None
+    settings = dict(scale=0.4, causal=case["causal"], window=case["window"], softcap=case["softcap"])
+    out = segments.segment_attention(q, k, v, boundaries, AttentionOptions(**settings, sinks=sinks), query_block=4)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    for start, length, pad in zip(boundaries.offsets, boundaries.lengths, boundaries.padding):
+        row, begin = divmod(start, boundaries.seq_len)
+        piece = slice(begin, begin + length)
+        if pad:
+            assert all(torch.count_nonzero(g[row, :, piece]) == 0 for g in grads), "padding got a gradient"
+            continue
+        alone = [t[row, :, piece].detach().requires_grad_() for t in (q, k, v)]
+        expected = naive_attention(*alone, sinks=sinks, **settings)
+        expected_grads = torch.autograd.grad((expected * weights[row, piece].transpose(0, 1)).sum(), alone)
+        for name, got, want in zip("qkv", grads, expected_grads):
+            assert_close(got[row, :, piece], want, what=f"grad {name}, segment at {start}")
+
+
+class _WholeRowResults(TorchDispatchMode):
+    """Counts the ops whose result holds as many elements as one of ``sizes`` (a whole row of q, or of k and v)."""
+
+    def __init__(self, sizes: set[int]) -> None:
+        super().__init__()
+        self.sizes = sizes
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.count += isinstance(result, torch.Tensor) and result.numel() in self.sizes
+        return result
+
+
+def _whole_row_results_in_backward(lengths: list[int], options: AttentionOptions, query_block: int) -> int:
+    """How many ops of the backward of one packed row of ``lengths`` make a result the size of the row's q or k."""
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1)
+    out = segments.segment_attention(q, k, v, boundaries, options, query_block=query_block)
+    with _WholeRowResults({q.numel(), k.numel()}) as counter:
+        out.sum().backward()
+    return counter.count
+
+
+@pytest.mark.parametrize(
+    ("few", "many", "options", "blocks"),
+    [([100, 40, 100, 40, 229], [70 + i for i in range(5)] + [40, 30] * 2 + [9],
+      AttentionOptions(scale=0.3, causal=True), (256, 256)),
+     ([509], [509], AttentionOptions(scale=0.3, causal=True, window=40, softcap=4.0), (32, 8))],
+    ids=["groups", "query-blocks"],
+)
+def test_backward_touches_the_row_a_constant_number_of_times(few: list[int], many: list[int],
+                                                             options: AttentionOptions,
+                                                             blocks: tuple[int, int]) -> None:
+    """A row of 509 tokens (a prime: no score matrix has a row's size) in 4 groups or in 8 (long samples, short ones
+    between them), or one windowed sample in query blocks of 32 or 8: the backward makes as many row-sized results
+    either way (gathering each group or block by slicing made a zero gradient of the whole row, and added it in, for
+    every one of them)."""
+    assert sum(few) == sum(many) == 509
+    few_blocks, many_blocks = blocks
+    assert _whole_row_results_in_backward(many, options, many_blocks) == _whole_row_results_in_backward(
+        few, options, few_blocks)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ...boundaries import memo
+from ...boundaries import host_of, memo
 
 
 _TILE_BYTES = 1 << 19
@@ -269,7 +269,7 @@ def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
     row where K - 1 zero tokens precede every sample. Kept on ``seq_idx`` (every layer of a forward passes the
     same tensor); CPU only, so it is computed on the host, in numpy (a quarter of torch's per-call cost)."""
     def build() -> tuple[Tensor, int]:
-        ids = seq_idx.numpy()
+        ids = host_of(seq_idx)
         starts = numpy.empty(ids.shape, dtype=bool)
         starts[:, :1] = True  # rows start samples too
         numpy.not_equal(ids[:, 1:], ids[:, :-1], out=starts[:, 1:])

@@ -41,11 +41,11 @@ import numpy
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...boundaries import host_of, memo
 from .._boundary_doc import with_boundary_doc
-from .gates import kda_gate, l2norm
-from ...boundaries import memo
 from .._nonfinite import Quarantine
 from .._seq import resolve_seq_idx
+from .gates import kda_gate, l2norm
 from .._chunk_layout import (
     ChunkLayout,
     check_qkv,
@@ -438,7 +438,7 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     def build() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         if seq_idx.device.type == "cpu" and not torch.compiler.is_compiling():
-            arrays = map(torch.from_numpy, _mask_arrays(seq_idx.numpy(), C, _host_causal(C)))
+            arrays = map(torch.from_numpy, _mask_arrays(host_of(seq_idx).copy(), C, _host_causal(C)))
         else:
             arrays = _mask_arrays(seq_idx, C, ~_above_diagonal(C, seq_idx.device))
         seq, cut, fresh, not_last, cont, same = arrays
