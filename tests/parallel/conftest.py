@@ -1,5 +1,5 @@
-"""The DeepSpeed Ulysses tests (packfree's route, and the Trainer's) need deepspeed (a test dependency; an environment without it does not collect
-them: neither run nor counted as skipped). ``nox -s distributed`` sets PACKFREE_SP_FULL=1 for the heavier cases."""
+"""The DeepSpeed Ulysses tests (packfree's route, and the Trainer's) need deepspeed (a test dependency; an
+environment without it does not collect them: neither run nor counted as skipped). ``nox -s distributed`` sets PACKFREE_SP_FULL=1 for the heavier cases."""
 
 from __future__ import annotations
 
