@@ -11,8 +11,9 @@ float32, 1e-5 relative (loss and gradients).
 Also: data parallelism over two sequence-parallel groups of 2 ranks, each group with its own row (the engine's
 gradients are the two rows' averaged; ``nox -s distributed``); evaluation after the step (whole rows unsplit,
 DeepSpeed's ``disable_in_eval``) equals the stock model on each sample alone with the trained weights; the refusals a
-user meets on the stock path are packfree's, naming the fix; a planted bug (the Trainer's ZeRO-3 loss scale dropped) moves the gradients. The default suite runs
-:data:`DEFAULT` (one spawn of 2 ranks); ``nox -s distributed`` (PACKFREE_SP_FULL=1) runs :data:`FULL` too.
+user meets on the stock path are packfree's, naming the fix; a planted bug (the Trainer's ZeRO-3 loss scale dropped)
+moves the gradients. The default suite runs :data:`DEFAULT` (one spawn of 2 ranks); ``nox -s distributed``
+(PACKFREE_SP_FULL=1) runs :data:`FULL` too.
 """
 
 from __future__ import annotations
