@@ -183,6 +183,7 @@ def _packfree_route(model: nn.Module, arguments: dict[str, Any]) -> Any:
 def _one_row(attention: Callable[..., Any], disable_in_eval: bool) -> Callable[..., Any]:
     """``attention`` refusing a sharded batch of more than one row: Ulysses was registered for one packed row per
     batch (accelerate passes the samples per batch as DeepSpeed's micro batch size, which Ulysses would assert on)."""
+
     @functools.wraps(attention)
     def checked(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         if query.shape[0] != 1 and (module.training or not disable_in_eval):

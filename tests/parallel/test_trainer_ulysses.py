@@ -8,10 +8,12 @@ The user's side is what docs/distributed.md shows: the model loaded with ``attn_
 refuses otherwise), the collator wrapped in :class:`~packfree_plugin.integrations.deepspeed.UlyssesRows`. Tolerance:
 float32, 1e-5 relative (loss and gradients).
 
-Also: evaluation after the step (whole rows unsplit, DeepSpeed's ``disable_in_eval``) equals the stock model on each
-sample alone with the trained weights; the refusals a user meets on the stock path are packfree's, naming the fix;
-a planted bug (the Trainer's ZeRO-3 loss scale dropped) moves the gradients. The default suite runs
-:data:`DEFAULT` (one spawn of 2 ranks); ``nox -s distributed`` (PACKFREE_SP_FULL=1) runs :data:`FULL` too.
+Also: data parallelism over two sequence-parallel groups of 2 ranks, each group with its own row (the engine's
+gradients are the two rows' averaged; ``nox -s distributed``); evaluation after the step (whole rows unsplit,
+DeepSpeed's ``disable_in_eval``) equals the stock model on each sample alone with the trained weights; the refusals a
+user meets on the stock path are packfree's, naming the fix; a planted bug (the Trainer's ZeRO-3 loss scale dropped)
+moves the gradients. The default suite runs :data:`DEFAULT` (one spawn of 2 ranks); ``nox -s distributed``
+(PACKFREE_SP_FULL=1) runs :data:`FULL` too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import faulthandler
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import pytest
@@ -36,6 +38,7 @@ from tests.parallel.cases import (
 TOLERANCE = 1e-5
 """float32 in the DeepSpeed engine, on both sides (measured: see docs/distributed.md)."""
 ODD, EDGES2, EDGES4 = (5, 9, 3), (8, 1, 1, 7), (4, 1, 4, 1, 1, 8, 1)
+SECOND = (3, 6, 2, 5)  # the second data-parallel group's row: as many samples as EDGES2, other tokens
 MLA = (("v_head_dim", 8),)  # DeepSeek-V3's latent attention: v narrower than q/k
 
 
@@ -51,10 +54,14 @@ class Run:
     sp_attn: str | None = None  # sp_attn_implementation (None: unset, as packfree's route wants)
     evaluate: bool = False  # evaluate after the step (whole rows, unsplit)
     padded: bool = False  # the collator pads rows (one per sample) instead of UlyssesRows (a refusal case)
+    sp: int | None = None  # the sequence-parallel size (None: the world); the rest is data parallelism
+    other: tuple[int, ...] | None = None  # the row of the second data-parallel group (with sp = world / 2)
 
     @property
     def name(self) -> str:
-        parts = [self.model_type, f"zero{self.zero}", f"{self.world}ranks", "-".join(map(str, self.lengths))]
+        parallel = f"{self.world}ranks" + (f"-sp{self.sp}" if self.sp else "")
+        rows = "-".join(map(str, self.lengths)) + (f"+{'-'.join(map(str, self.other))}" if self.other else "")
+        parts = [self.model_type, f"zero{self.zero}", parallel, rows]
         extra = [f"{key}={value}" for key, value in self.overrides]
         flags = [flag for flag, on in (("eval", self.evaluate), (f"stock={self.stock}", self.stock),
                                        (f"sp_attn={self.sp_attn}", self.sp_attn), (self.plant, self.plant),
@@ -96,6 +103,10 @@ FULL = [
                                           ("qwen3_next", (("linear_num_key_heads", 4),), 2),
                                           ("mamba2", (("n_groups", 2),), 1), ("granitemoehybrid", (), 3),
                                           ("deepseek_v3", MLA, 0))),
+    # data parallelism over two sequence-parallel groups, each with its own row
+    Run("llama", EDGES2, zero=0, world=4, sp=2, other=SECOND),
+    Run("qwen3_next", EDGES2, zero=3, world=4, sp=2, other=SECOND),
+    Run("granitemoehybrid", EDGES2, zero=2, world=4, sp=2, other=SECOND),
 ]
 RUN_FULL = os.environ.get("PACKFREE_SP_FULL") == "1"
 EXACT = DEFAULT + (FULL if RUN_FULL else [])
@@ -120,16 +131,23 @@ def _trainer(run: Run, model: torch.nn.Module, output_dir: str):
     from packfree_plugin.integrations.deepspeed import UlyssesRows
 
     handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation=run.sp_attn, sp_allow_recurrent_layers=True)
-    parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=run.world, sp_handler=handler)
+    sp = run.sp or run.world
+    parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=run.world // sp,
+                                    sp_handler=handler)
     deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "train_batch_size": "auto", "zero_optimization": {"stage": run.zero}}
     samples = _samples(run)
+    train = samples
+    if run.other:  # batch i goes to rank i: ranks 0, 1 (the first group) get this row, ranks 2, 3 the other
+        assert run.world == 4 and run.sp == 2 and len(run.other) == len(run.lengths)
+        other = _samples(replace(run, lengths=run.other))
+        train = samples + samples + other + other
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=len(samples),
                              per_device_eval_batch_size=len(samples), max_steps=1, use_cpu=True,
                              parallelism_config=parallelism, deepspeed=deepspeed, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential")
-    collator = _padded_rows if run.padded else UlyssesRows(DataCollatorWithFlattening(), run.world)
-    return Trainer(model=model, args=args, train_dataset=samples, eval_dataset=samples, data_collator=collator)
+    collator = _padded_rows if run.padded else UlyssesRows(DataCollatorWithFlattening(), sp)
+    return Trainer(model=model, args=args, train_dataset=train, eval_dataset=samples, data_collator=collator)
 
 
 def _padded_rows(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
@@ -282,11 +300,22 @@ def stock_loss_with(run: Run, weights: dict[str, torch.Tensor]) -> float:
     return total / (targets != -100).sum().item()
 
 
+def _expected(run: Run) -> tuple[float, dict[str, torch.Tensor]]:
+    """The reference: rank 0's row loss, and the gradients averaged over the data-parallel groups' rows."""
+    loss, grads = stock_alone(run.case)
+    if run.other is None:
+        return loss, grads
+    _, others = stock_alone(replace(run, lengths=run.other).case)
+    names = grads.keys() | others.keys()
+    zero = {name: torch.zeros_like(grads.get(name, others.get(name))) for name in names}
+    return loss, {name: (grads.get(name, zero[name]) + others.get(name, zero[name])) / 2 for name in names}
+
+
 @pytest.mark.parametrize("run", EXACT, ids=lambda run: run.name)
 def test_trainer_step_equals_stock_on_each_sample_alone(run: Run, results) -> None:
     result = results[run.name]
     assert not isinstance(result, Exception), result
-    expected_loss, expected = stock_alone(run.case)
+    expected_loss, expected = _expected(run)
     assert result["loss"] == pytest.approx(expected_loss, rel=TOLERANCE)
     error, name = relative_error(_engine_grads(result["grads"], expected), expected)
     assert error <= TOLERANCE, (name, error)
