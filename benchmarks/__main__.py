@@ -1,4 +1,8 @@
-"""Run every benchmark once and print (and save) their tables: ``python -m benchmarks [--quick]``."""
+"""Run every benchmark once and print (and save) their tables: ``python -m benchmarks [--quick] [--only SUITE]``.
+
+Every table comes with the machine's load per core (``os.getloadavg()``) before and after its suite ran; a suite
+that ran above :data:`benchmarks.speed_targets.NOISY_LOAD` per core is called NOISY under its table: its ratios were
+taken on a loaded machine, which slows the packed path more than its reference, and are no figures to quote."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import argparse
 import importlib
 import json
 from pathlib import Path
+
+from benchmarks.speed_targets import NOISY_LOAD, load_per_core
 
 SUITES = {
     "attention": "benchmarks.attention",
@@ -20,6 +26,7 @@ SUITES = {
     "compiled training step (inductor)": "benchmarks.compiled",
     "load-time gate": "benchmarks.gate_cost",
     "one packed row over 4 ranks (Ulysses)": "benchmarks.sequence_parallel",
+    "speed targets (issue 34)": "benchmarks.speed_targets",
 }
 
 
@@ -32,26 +39,38 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_note(before: float, after: float) -> str:
+    """The line under a suite's table: its load per core before and after, and NOISY above :data:`NOISY_LOAD`."""
+    verdict = (f"NOISY (above {NOISY_LOAD} per core): do not quote these ratios" if max(before, after) > NOISY_LOAD
+               else f"quiet (at most {NOISY_LOAD} per core)")
+    return f"load per core: {before:.2f} before, {after:.2f} after; {verdict}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat")
     parser.add_argument("--out", default="bench-results", help="folder for bench.md and bench.json")
-    parser.add_argument("--only", choices=list(SUITES), action="append", help="run only these suites")
+    short_names = {module_name.rsplit(".", 1)[1]: title for title, module_name in SUITES.items()}
+    parser.add_argument("--only", choices=[*SUITES, *short_names], action="append",
+                        help="run only these suites (a title, or its module's name: --only speed_targets)")
     args = parser.parse_args()
-    results, sections = {}, []
+    only = {short_names.get(name, name) for name in args.only or ()}
+    results, sections, loads = {}, [], {}
     for title, module_name in SUITES.items():
-        if args.only and title not in args.only:
+        if only and title not in only:
             continue
         module = importlib.import_module(module_name)
+        before = load_per_core()
         rows = module.run(quick=args.quick)
+        loads[title] = {"before": before, "after": load_per_core()}
         results[title] = rows
         table = module.markdown(rows) if hasattr(module, "markdown") else _table(rows)
-        sections.append(f"## {title}\n\n{table}\n")
+        sections.append(f"## {title}\n\n{table}\n\n{load_note(**loads[title])}\n")
         print(sections[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text("# packfree benchmarks\n\n" + "\n".join(sections))
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.json").write_text(json.dumps({**results, "load per core": loads}, indent=2))
     print(f"saved {out / 'bench.md'} and {out / 'bench.json'}")
 
 

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..ops import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
-from ..forward.context import boundaries_here, in_prepared_forward, is_prepared
+from ..forward.context import boundaries_here, current, in_prepared_forward, is_prepared
 from ..forward.keywords import BOUNDARY_KWARGS
 from ..ops.opaque import boundary_op
 from .masks import PER_SAMPLE_MASK
@@ -189,15 +189,17 @@ def packfree_attention_forward(
     if attention_mask is None:
         # a model that made no mask (none of its layers needs one), or Ulysses, which drops it and gathers the row
         boundaries = kwargs.get("packfree_boundaries")
-        if boundaries is None and _wrapped_by_sequence_parallel():  # a layer that forwards no kwargs (BERT)
-            boundaries = boundaries_here()
+        if boundaries is None:  # a layer that forwards no kwargs (BERT) under Ulysses; never while decoding
+            here = boundaries_here()
+            boundaries = here if here is not None and _wrapped_by_sequence_parallel() else None
         if boundaries is not None and boundaries.sequence_shard is not None:
             boundaries = boundaries.sequence_shard.whole_row(query.shape[2])
         if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
     if getattr(attention_mask, PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
         return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
-    if any(boundaries_here(packed=True, length=length) is not None for length in (query.shape[2], key.shape[2])):
+    here = current()
+    if here is not None and here.is_packed and here.seq_len in (query.shape[2], key.shape[2]):
         # attention along the packed row with a mask of its own (attention over other axes, e.g. Inkling2's
         # per-token attention over earlier layers' states, mixes no samples)
         raise ValueError(

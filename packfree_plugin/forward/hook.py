@@ -247,10 +247,15 @@ def _decode_step(args: tuple, kwargs: dict) -> bool:
     so the step builds, reads and checks no boundaries and runs on transformers' own masks, as stock (which is what
     reading the batch concludes for it, at the cost of binding the call and walking the cache's layers)."""
     tokens = _call_tokens(args, kwargs)
-    return (tokens is not None and tokens.shape[1] == 1
-            and any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS)
-            and all(kwargs.get(name) is None for name in PACKFREE_KWARGS)
-            and not isinstance(kwargs.get("attention_mask"), Boundaries))
+    if tokens is None or tokens.shape[1] != 1 or isinstance(kwargs.get("attention_mask"), Boundaries):
+        return False
+    for name in PACKFREE_KWARGS:  # loops, not any()/all(): this runs twice per generated token
+        if kwargs.get(name) is not None:
+            return False
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return True
+    return False
 
 
 def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:

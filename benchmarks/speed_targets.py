@@ -1,0 +1,149 @@
+"""Issue 34's speed targets as ratios, measured in one run, each with the machine's load while it ran.
+
+- **attention**: fwd+bwd of one packed attention call (16 query heads, 4 key/value heads, head dim 64, 16 samples of
+  skewed lengths) against the per-sample loop (stock sdpa on each sample alone, one after the other): target at most
+  0.7x at 4k tokens and 1.0x at 32k;
+- **generate**: greedy ``generate()`` time per new token of a tiny Llama, Qwen3-Next and Mamba2 (2 prompts, 48 new
+  tokens; the time of 48 new tokens minus that of 1, over 47), packfree against stock: target at most 1.05x.
+
+Packfree's and the reference's runs alternate, and each ratio is the ratio of their medians. A ratio whose run saw
+a load above :data:`NOISY_LOAD` per core (``os.getloadavg()``, before or after) is marked NOISY in the output: on a
+loaded machine the packed path loses more than the reference, and such a figure is no figure.
+
+``python -m benchmarks --only "speed targets (issue 34)"`` (or ``python -m benchmarks.speed_targets [--quick]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+NOISY_LOAD = 0.75
+"""Load average (1 minute) per core above which a measurement is called NOISY."""
+ATTENTION = ((4096, 0.7), (32768, 1.0))
+"""(tokens, target ratio to the per-sample loop) of the packed attention call, 16 samples each."""
+GENERATE_MODELS = ("llama", "qwen3_next", "mamba2")
+GENERATE_TARGET = 1.05
+NEW_TOKENS = 48
+
+
+def load_per_core() -> float:
+    """The 1-minute load average divided by the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return os.getloadavg()[0] / cores
+
+
+def alternating_medians(first: Callable[[], None], second: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and of ``second()``, run alternately ``repeats`` times after one warm-up each."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for step, found in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            step()
+            found.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _row(target: str, limit: float, packfree: float, reference: float, load_before: float) -> dict:
+    load_after = load_per_core()
+    ratio = packfree / reference
+    return {"target": target, "packfree s": packfree, "reference s": reference, "ratio": ratio, "limit": limit,
+            "meets": "yes" if ratio <= limit else "no", "load/core before": load_before,
+            "load/core after": load_after,
+            "noise": "NOISY" if max(load_before, load_after) > NOISY_LOAD else "quiet"}
+
+
+def attention_row(tokens: int, limit: float, repeats: int) -> dict:
+    """Packed attention call against the per-sample loop at ``tokens`` tokens of 16 samples (module docstring)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from benchmarks.attention import skewed_lengths
+    from packfree_plugin.attention import AttentionOptions, run_packed_attention
+    from packfree_plugin.boundaries import Boundaries
+
+    lengths = skewed_lengths(tokens)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator) for heads in (16, 4, 4))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    options = AttentionOptions(scale=0.125, causal=True)
+
+    def packed() -> None:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        boundaries = Boundaries.from_position_ids(positions)  # built per step, as a training step builds them
+        run_packed_attention(qq, kk, vv, boundaries, options).square().mean().backward()
+
+    def per_sample() -> None:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = torch.cat([sdpa_attention_forward(module, a, b, c, None, scaling=0.125)[0]
+                         for a, b, c in zip(qq.split(lengths, 2), kk.split(lengths, 2), vv.split(lengths, 2))], dim=1)
+        out.square().mean().backward()
+
+    before = load_per_core()
+    packfree, loop = alternating_medians(packed, per_sample, repeats)
+    return _row(f"attention fwd+bwd, {tokens} tokens / {len(lengths)} samples vs per-sample loop", limit, packfree,
+                loop, before)
+
+
+def generate_row(model_type: str, repeats: int) -> dict:
+    """Greedy generate() per new token, packfree against stock, on a tiny ``model_type`` (module docstring)."""
+    import torch
+
+    from packfree_plugin.cli.tiny import load_model
+
+    model = load_model(model_type, "packfree", dtype=torch.float32)
+    stock = load_model(model_type, "eager" if model_type == "mamba2" else "sdpa", dtype=torch.float32)  # no sdpa path
+    stock.load_state_dict(model.state_dict())
+    prompts = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def timed(which: torch.nn.Module, new_tokens: int) -> Callable[[], None]:
+        def step() -> None:
+            with torch.inference_mode():
+                which.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        return step
+
+    before = load_per_core()
+    packfree_all, stock_all = alternating_medians(timed(model, NEW_TOKENS), timed(stock, NEW_TOKENS), repeats)
+    packfree_one, stock_one = alternating_medians(timed(model, 1), timed(stock, 1), repeats)
+    per_token = [(total - first) / (NEW_TOKENS - 1) for total, first in ((packfree_all, packfree_one),
+                                                                          (stock_all, stock_one))]
+    return _row(f"generate() per new token, {model_type} (2 prompts x {NEW_TOKENS})", GENERATE_TARGET, *per_token,
+                before)
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Every target once; ``quick``: attention at 4k tokens only, fewer repeats."""
+    import torch
+
+    torch.set_num_threads(2)
+    repeats = 3 if quick else 7
+    rows = [attention_row(tokens, limit, repeats) for tokens, limit in (ATTENTION[:1] if quick else ATTENTION)]
+    rows += [generate_row(model_type, repeats) for model_type in GENERATE_MODELS]
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| target | packfree s | reference s | ratio | limit | meets | load/core before | load/core after "
+             "| noise |", "|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    for row in rows:
+        lines.append(f"| {row['target']} | {row['packfree s']:.4f} | {row['reference s']:.4f} | {row['ratio']:.3f} | "
+                     f"{row['limit']:.2f} | {row['meets']} | {row['load/core before']:.2f} | "
+                     f"{row['load/core after']:.2f} | {row['noise']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="attention at 4k tokens only, fewer repeats")
+    print(markdown(run(quick=parser.parse_args().quick)))
+
+
+if __name__ == "__main__":
+    main()
