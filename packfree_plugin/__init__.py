@@ -19,16 +19,16 @@ _LAZY = {
     "register": "packfree_plugin.loading.register",
     "unregister": "packfree_plugin.loading.register",
     "is_registered": "packfree_plugin.loading.register",
-    "apply": "packfree_plugin.loading.prepare",
+    "apply": "packfree_plugin.loading.register",
     "release": "packfree_plugin.loading.prepare",
 }
 
 __all__ = ["Boundaries", "apply", "is_registered", "register", "release", "unregister", "__version__"]
 
 if TYPE_CHECKING:
-    from .loading.prepare import apply, release
     from .boundaries import Boundaries
-    from .loading.register import is_registered, register, unregister
+    from .loading.prepare import release
+    from .loading.register import apply, is_registered, register, unregister
 
 
 def __getattr__(name: str) -> Any:

@@ -7,20 +7,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "packfree_plugin"
-FLOORS = (  # bottom first, by subpackage of packfree_plugin, or by module where one stands apart (docs/layout.md)
+FLOORS = (  # bottom first, by subpackage of packfree_plugin (docs/layout.md)
     {"compat", "boundaries", "classes", "ops"},
     {"forward"},
     {"attention"},
-    {"loading.register", "integrations.deepspeed"},
     {"adapters"},
     {"parallel", "packing", "integrations"},
     {"gate"},
     {"loading"},
     {"cli", "__init__", "__main__"},
 )
-"""``loading.register`` only registers the attention with transformers (and installs the DeepSpeed hook of
-``integrations.deepspeed``, which imports nothing of packfree's when it loads), so it stands below the integrations
-that register packfree when they build a model; the rest of ``loading`` prepares models with everything below it."""
 ARROWS_UP: set[tuple[str, str]] = set()
 """Known arrows back up: none."""
 
@@ -53,13 +49,8 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def _floor(module: str) -> int | None:
-    """The floor of the module's own name under the package if listed, else of its subpackage's."""
-    parts = module.split(".")[1:] or ["__init__"]
-    for key in (".".join(parts[:2]), parts[0]):
-        found = next((index for index, floor in enumerate(FLOORS) if key in floor), None)
-        if found is not None:
-            return found
-    return None
+    key = module.split(".")[1] if "." in module else "__init__"
+    return next((index for index, floor in enumerate(FLOORS) if key in floor), None)
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:

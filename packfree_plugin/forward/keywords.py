@@ -1,9 +1,12 @@
-"""The call-argument names packfree reads, defined once: the boundary keywords a packed batch passes, and the
-arguments under which a call carries a cache. Every layer imports them from here (nothing below it)."""
+"""The names packfree reads and registers, defined once: its attention implementation's name, the boundary keywords a
+packed batch passes, and the arguments under which a call carries a cache. Every layer imports them from here (nothing below it)."""
 
 from __future__ import annotations
 
-__all__ = ["BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "PACKFREE_KWARGS", "PACKING_KWARGS"]
+__all__ = ["ATTN_IMPLEMENTATION", "BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "PACKFREE_KWARGS", "PACKING_KWARGS"]
+
+ATTN_IMPLEMENTATION = "packfree"
+"""The name packfree registers with transformers: ``from_pretrained(..., attn_implementation="packfree")``."""
 
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """The boundary keywords of a packed batch, as transformers' ``DataCollatorWithFlattening`` and packfree's collators

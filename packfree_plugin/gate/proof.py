@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters.numbering import quiet
+from ..forward.keywords import ATTN_IMPLEMENTATION
 from ..forward.rope_ids import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs
 from .shrink import TINY_VOCAB
@@ -139,12 +140,15 @@ def main_output(output: Any) -> torch.Tensor:
 
 def build_pair(cls: type, config, *, seed: int = 0) -> tuple[nn.Module, nn.Module, str]:
     """``(packfree_model, stock_model, stock_implementation)`` of class ``cls`` from ``config`` (copied),
-    float32, eval mode, identical weights; stock is ``sdpa`` where the class has it, else ``eager``."""
-    from ..loading.register import register
+    float32, eval mode, identical weights; stock is ``sdpa`` where the class has it, else ``eager``. ``"packfree"``
+    must be registered (at start-up by default; else :func:`packfree_plugin.register`)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    register()
+    if ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION) is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION!r} is not registered with transformers (PACKFREE_AUTOLOAD=0?): call "
+                           "packfree_plugin.register() before proving a class")
     torch.manual_seed(seed)
-    model = _build(cls, config, "packfree")
+    model = _build(cls, config, ATTN_IMPLEMENTATION)
     stock, implementation = build_stock(cls, config)
     stock.load_state_dict(model.state_dict())
     if not all(torch.isfinite(p).all() for p in model.parameters()):  # e.g. built with initialisation off

@@ -37,7 +37,7 @@ from torch import nn
 from ..boundaries import Boundaries
 from ..forward.context import is_prepared
 from ..packing import pack_best_fit_decreasing
-from ..loading.register import ATTN_IMPLEMENTATION
+from ..forward.keywords import ATTN_IMPLEMENTATION
 from ..forward.signature import class_forward_parameters
 
 __all__ = [

@@ -1,9 +1,10 @@
-""":func:`apply`, packfree's entry point: prepare a model for packed batches.
+""":func:`prepare` a model for packed batches, :func:`release` it (:func:`packfree_plugin.apply` registers, then
+prepares).
 
-It stands above every layer it calls: the version check (:mod:`.compat`), registration with transformers
-(:mod:`.registration`), the load-time gate (:mod:`.gate`), the model entry (:mod:`.model_entry`) with the refusal of
-torch's context parallelism (:mod:`.parallel.torch_cp`) and the adapters that route boundaries into each layer
-(:mod:`.adapters`).
+It stands above every layer it calls: the load-time gate (:mod:`packfree_plugin.gate`), the model entry
+(:mod:`packfree_plugin.forward.hook`) with the refusal of torch's context parallelism
+(:mod:`packfree_plugin.parallel.torch_cp`) and the adapters that route boundaries into each layer
+(:mod:`packfree_plugin.adapters`).
 """
 
 from __future__ import annotations
@@ -14,29 +15,18 @@ from ..adapters.task_heads import unwrap_heads, wrap_heads
 from ..adapters.quirks import apply_quirks, remove_quirks
 from ..adapters.whole_row import reads_boundaries_in_layers
 from ..adapters.mixers import check_coverage, unwrap_mixers, wrap_mixers
-from ..compat import check_transformers_version
 from ..gate import admit
 from ..integrations import sentence_transformers
 from ..forward.hook import add_read_check, apply_model_hook, remove_model_hook
 from ..parallel.torch_cp import refuse_packed_rows_under_context_parallel
-from .register import ATTN_IMPLEMENTATION, register
+from ..forward.keywords import ATTN_IMPLEMENTATION
 
-__all__ = ["apply", "release"]
+__all__ = ["prepare", "release"]
 
 
-def apply(model: nn.Module) -> nn.Module:
-    """Prepare ``model`` for packed batches (idempotent) and return it.
-
-    Switches a model loaded with another attention implementation to ``"packfree"``, hooks every
-    ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence
-    mixer (GDN, Mamba, conv, ...) its boundary adapter. Raises ``ValueError`` naming any layer that looks
-    like a sequence mixer but has no adapter, any architecture that is neither verified by the sweep nor proved
-    exact on a tiny copy (:mod:`packfree_plugin.gate`), and the supported range on a transformers release
-    packfree was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
-    """
-
-    check_transformers_version()
-    register()
+def prepare(model: nn.Module) -> nn.Module:
+    """The preparation :func:`packfree_plugin.apply` runs once ``"packfree"`` is registered (idempotent); returns
+    ``model``."""
     add_read_check(refuse_packed_rows_under_context_parallel)  # the entry refuses packed rows under torch's CP
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import functools
 
+from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import packfree_attention_forward, packfree_attention_mask
-from ..integrations import deepspeed
+from ..compat import check_transformers_version
+from ..forward.keywords import ATTN_IMPLEMENTATION
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "unregister", "is_registered"]
+__all__ = ["ATTN_IMPLEMENTATION", "apply", "is_registered", "register", "unregister"]
 
-ATTN_IMPLEMENTATION = "packfree"
 _ORIGINAL_POST_INIT = "_packfree_original_post_init"
 _ORIGINAL_CHECK = "_packfree_original_check_attn"
 _ORIGINAL_SET = "_packfree_original_set_attn"
@@ -48,6 +49,8 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, packfree_attention_mask)
     if hasattr(PreTrainedModel, _ORIGINAL_POST_INIT):
         return
+    from ..integrations import deepspeed  # its hook on DeepSpeed, which registration installs
+
     deepspeed.install_when_imported()
     original = PreTrainedModel.post_init
 
@@ -55,11 +58,7 @@ def register() -> None:
     def post_init(self: PreTrainedModel, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if _uses_packfree(self):
-            # the one import that runs up, to the package's own entry point: apply() (packfree_plugin.loading.prepare)
-            # registers before it prepares, and every model built with "packfree" must be prepared as it exists
-            from .. import apply
-
-            apply(self)
+            apply(self)  # every model built with "packfree" is prepared as it exists
         return result
 
     setattr(PreTrainedModel, _ORIGINAL_POST_INIT, original)
@@ -94,7 +93,7 @@ def register() -> None:
 def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **kwargs) -> None:
     """transformers' ``set_attn_implementation``, then: prepare a model switched to packfree (or put every config back
     and raise), release one switched away from it."""
-    from .. import apply, release  # up to the package's own entry points (packfree_plugin.loading.prepare)
+    from .prepare import release  # here, not at the top: registration runs while transformers imports
     from ..forward.hook import has_entry
 
     configs = {id(module.config): module.config for module in model.modules() if isinstance(module, PreTrainedModel)}
@@ -118,6 +117,23 @@ def _switch(model: PreTrainedModel, original_set, attn_implementation, *args, **
         )
 
 
+def apply(model: nn.Module) -> nn.Module:
+    """Prepare ``model`` for packed batches (idempotent) and return it.
+
+    Registers ``"packfree"``, switches a model loaded with another attention implementation to it, hooks every
+    ``PreTrainedModel`` in it so that each forward builds its boundaries once, and gives every sequence mixer (GDN,
+    Mamba, conv, ...) its boundary adapter (:func:`.prepare.prepare`). Raises ``ValueError`` naming any layer that
+    looks like a sequence mixer but has no adapter, any architecture that is neither verified by the sweep nor proved
+    exact on a tiny copy (:mod:`packfree_plugin.gate`), and the supported range on a transformers release packfree
+    was not tested with. Called automatically for models loaded with ``attn_implementation="packfree"``.
+    """
+    from .prepare import prepare  # here, not at the top: registration runs while transformers imports
+
+    check_transformers_version()
+    register()
+    return prepare(model)
+
+
 def unregister() -> None:
     """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s three wrapped methods, the kernel functions
     of modeling modules that packfree routed (:mod:`.adapters.routes`) and their attention-class tables."""
@@ -126,6 +142,8 @@ def unregister() -> None:
 
     uninstall_routes()
     remove_implementation_entries()
+    from ..integrations import deepspeed
+
     deepspeed.uninstall()
     # transformers has no public way to remove a registration: these two dicts are the registries themselves
     AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)

@@ -311,6 +311,9 @@ def run_worker() -> None:
 
     import torch
 
+    import packfree_plugin
+
+    packfree_plugin.register()  # the proofs build packfree twins, whatever PACKFREE_AUTOLOAD says
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
