@@ -1,7 +1,7 @@
 """Run every benchmark once and print (and save) their tables: ``python -m benchmarks [--quick] [--only SUITE]``.
 
 Every table comes with the machine's load per core (``os.getloadavg()``) before and after its suite ran; a suite
-that ran above :data:`benchmarks.speed_targets.NOISY_LOAD` per core is called NOISY under its table: its ratios were
+that ran above :data:`packfree_plugin.cli.load.LOADED_PER_CORE` per core is called NOISY under its table: its ratios were
 taken on a loaded machine, which slows the packed path more than its reference, and are no figures to quote."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 import json
 from pathlib import Path
 
-from benchmarks.speed_targets import NOISY_LOAD, load_per_core
+from packfree_plugin.cli.load import LOADED_PER_CORE, LoadWatch
 
 SUITES = {
     "attention": "benchmarks.attention",
@@ -39,11 +39,12 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_note(before: float, after: float) -> str:
-    """The line under a suite's table: its load per core before and after, and NOISY above :data:`NOISY_LOAD`."""
-    verdict = (f"NOISY (above {NOISY_LOAD} per core): do not quote these ratios" if max(before, after) > NOISY_LOAD
-               else f"quiet (at most {NOISY_LOAD} per core)")
-    return f"load per core: {before:.2f} before, {after:.2f} after; {verdict}"
+def load_note(load: LoadWatch) -> str:
+    """The line under a suite's table: its load per core before and after, and NOISY above
+    :data:`~packfree_plugin.cli.load.LOADED_PER_CORE`."""
+    verdict = (f"NOISY (above {LOADED_PER_CORE} per core): do not quote these ratios" if load.too_loaded
+               else f"quiet (at most {LOADED_PER_CORE} per core)")
+    return f"load per core: {load.samples[0]:.2f} before, {load.samples[-1]:.2f} after; {verdict}"
 
 
 def main() -> None:
@@ -60,12 +61,12 @@ def main() -> None:
         if only and title not in only:
             continue
         module = importlib.import_module(module_name)
-        before = load_per_core()
-        rows = module.run(quick=args.quick)
-        loads[title] = {"before": before, "after": load_per_core()}
+        with LoadWatch() as load:
+            rows = module.run(quick=args.quick)
+        loads[title] = load.as_dict()
         results[title] = rows
         table = module.markdown(rows) if hasattr(module, "markdown") else _table(rows)
-        sections.append(f"## {title}\n\n{table}\n\n{load_note(**loads[title])}\n")
+        sections.append(f"## {title}\n\n{table}\n\n{load_note(load)}\n")
         print(sections[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

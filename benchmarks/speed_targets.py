@@ -7,8 +7,9 @@
   tokens; the time of 48 new tokens minus that of 1, over 47), packfree against stock: target at most 1.05x.
 
 Packfree's and the reference's runs alternate, and each ratio is the ratio of their medians. A ratio whose run saw
-a load above :data:`NOISY_LOAD` per core (``os.getloadavg()``, before or after) is marked NOISY in the output: on a
-loaded machine the packed path loses more than the reference, and such a figure is no figure.
+a load above :data:`packfree_plugin.cli.load.LOADED_PER_CORE` per core (``os.getloadavg()``, before or after) is
+marked NOISY in the output: on a loaded machine the packed path loses more than the reference, and such a figure is
+no figure.
 
 ``python -m benchmarks --only "speed targets (issue 34)"`` (or ``python -m benchmarks.speed_targets [--quick]``).
 """
@@ -16,24 +17,17 @@ loaded machine the packed path loses more than the reference, and such a figure 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
 
-NOISY_LOAD = 0.75
-"""Load average (1 minute) per core above which a measurement is called NOISY."""
+from packfree_plugin.cli.load import LoadWatch
+
 ATTENTION = ((4096, 0.7), (32768, 1.0))
 """(tokens, target ratio to the per-sample loop) of the packed attention call, 16 samples each."""
 GENERATE_MODELS = ("llama", "qwen3_next", "mamba2")
 GENERATE_TARGET = 1.05
 NEW_TOKENS = 48
-
-
-def load_per_core() -> float:
-    """The 1-minute load average divided by the cores this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return os.getloadavg()[0] / cores
 
 
 def alternating_medians(first: Callable[[], None], second: Callable[[], None], repeats: int) -> tuple[float, float]:
@@ -48,13 +42,11 @@ def alternating_medians(first: Callable[[], None], second: Callable[[], None], r
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _row(target: str, limit: float, packfree: float, reference: float, load_before: float) -> dict:
-    load_after = load_per_core()
+def _row(target: str, limit: float, packfree: float, reference: float, load: LoadWatch) -> dict:
     ratio = packfree / reference
     return {"target": target, "packfree s": packfree, "reference s": reference, "ratio": ratio, "limit": limit,
-            "meets": "yes" if ratio <= limit else "no", "load/core before": load_before,
-            "load/core after": load_after,
-            "noise": "NOISY" if max(load_before, load_after) > NOISY_LOAD else "quiet"}
+            "meets": "yes" if ratio <= limit else "no", "load/core before": load.samples[0],
+            "load/core after": load.samples[-1], "noise": "NOISY" if load.too_loaded else "quiet"}
 
 
 def attention_row(tokens: int, limit: float, repeats: int) -> dict:
@@ -85,10 +77,10 @@ def attention_row(tokens: int, limit: float, repeats: int) -> dict:
                          for a, b, c in zip(qq.split(lengths, 2), kk.split(lengths, 2), vv.split(lengths, 2))], dim=1)
         out.square().mean().backward()
 
-    before = load_per_core()
-    packfree, loop = alternating_medians(packed, per_sample, repeats)
+    with LoadWatch() as load:
+        packfree, loop = alternating_medians(packed, per_sample, repeats)
     return _row(f"attention fwd+bwd, {tokens} tokens / {len(lengths)} samples vs per-sample loop", limit, packfree,
-                loop, before)
+                loop, load)
 
 
 def generate_row(model_type: str, repeats: int) -> dict:
@@ -109,13 +101,13 @@ def generate_row(model_type: str, repeats: int) -> dict:
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
         return step
 
-    before = load_per_core()
-    packfree_all, stock_all = alternating_medians(timed(model, NEW_TOKENS), timed(stock, NEW_TOKENS), repeats)
-    packfree_one, stock_one = alternating_medians(timed(model, 1), timed(stock, 1), repeats)
+    with LoadWatch() as load:
+        packfree_all, stock_all = alternating_medians(timed(model, NEW_TOKENS), timed(stock, NEW_TOKENS), repeats)
+        packfree_one, stock_one = alternating_medians(timed(model, 1), timed(stock, 1), repeats)
     per_token = [(total - first) / (NEW_TOKENS - 1) for total, first in ((packfree_all, packfree_one),
                                                                           (stock_all, stock_one))]
     return _row(f"generate() per new token, {model_type} (2 prompts x {NEW_TOKENS})", GENERATE_TARGET, *per_token,
-                before)
+                load)
 
 
 def run(quick: bool = False) -> list[dict]:
