@@ -210,7 +210,7 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     or the parent's, for a backbone called with the same tokens and ``use_cache=False`` but no kwargs
     (Mamba's heads). Anything else reads the batch (:func:`_read_batch`, one graph break when compiled); a decode
     step (:func:`_decode_step`) reads nothing and pushes None."""
-    if len(args) <= 1 and _decode_step(args, kwargs):
+    if len(args) <= 1 and not torch.compiler.is_compiling() and _decode_step(args, kwargs):
         return args, kwargs, push_unless_on_top(None)
     if isinstance(kwargs.get("attention_mask"), Boundaries):
         # an outer model built packfree's mask and hands it to its inner model (PaliGemma to its Gemma): the inner
@@ -245,7 +245,8 @@ def _decode_step(args: tuple, kwargs: dict) -> bool:
     keyword or first positional argument, as Mamba's heads call their backbone), a cache given by keyword, no
     boundary keyword. A row of one token is one sample: there is nothing to pack,
     so the step builds, reads and checks no boundaries and runs on transformers' own masks, as stock (which is what
-    reading the batch concludes for it, at the cost of binding the call and walking the cache's layers)."""
+    reading the batch concludes for it, at the cost of binding the call and walking the cache's layers). Not asked
+    while compiling: its shape test would add a graph of its own to every compiled forward."""
     tokens = _call_tokens(args, kwargs)
     if tokens is None or tokens.shape[1] != 1 or isinstance(kwargs.get("attention_mask"), Boundaries):
         return False

@@ -126,7 +126,7 @@ def _read_batch_to_host(arguments: dict[str, Any], *, causal_labels: bool) -> No
     """The forward's one device-to-host read: every boundary input the batch carries (a 2-D ``attention_mask``
     included) and, beside them, the targets :func:`check_labels` reads, copied together (:func:`read_to_host`), so
     building the boundaries and checking the targets reads nothing more. A batch without boundary inputs reads
-    nothing (its labels are read only if it turns out packed, which it cannot)."""
+    nothing: it cannot be packed, so its targets need no check."""
     mask = arguments.get("attention_mask")
     sources = [arguments.get(name) for name in (*BOUNDARY_KWARGS, "position_ids")]
     sources.append(mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
