@@ -555,8 +555,8 @@ def verdict(parts: Mapping[str, float | bool], load: LoadWatch, max_rel_loss_dif
                 "support this decomposition (a ceiling's assumption failed, or the machine's load changed between "
                 f"runs); {losses}")
     total, ceiling = parts["total"], parts["total_ceiling"]
-    return (f"packed trains {total:.2f}x as fast as stock padded, {total / ceiling:.0%} of its ceiling {ceiling:.2f}x "
-            f"(padding removed {parts['padding']:.2f}x of at most {parts['padding_ceiling']:.2f}x), with {losses}")
+    return (f"packed trains {total:.2f}x as fast as stock padded, {total / ceiling:.0%} of its ceiling {ceiling:.2f}x, "
+            f"with {losses}")
 
 
 def decomposition_lines(parts: Mapping[str, float | bool], ratios: Mapping[str, float], load: LoadWatch,
