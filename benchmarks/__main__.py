@@ -1,8 +1,9 @@
 """Run every benchmark once and print (and save) their tables: ``python -m benchmarks [--quick] [--only SUITE]``.
 
-Every table comes with the machine's load per core (``os.getloadavg()``) before and after its suite ran; a suite
-that ran above :data:`packfree_plugin.cli.load.LOADED_PER_CORE` per core is called NOISY under its table: its ratios were
-taken on a loaded machine, which slows the packed path more than its reference, and are no figures to quote."""
+Every table comes with the machine's load while its suite ran (:class:`packfree_plugin.cli.load.LoadWatch`); a suite
+during which other processes took more than :data:`packfree_plugin.cli.load.OTHERS_PER_CORE` of each core is called
+NOISY under its table: its ratios were taken on a loaded machine, which slows the packed path more than its
+reference, and are no figures to quote."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import importlib
 import json
 from pathlib import Path
 
-from packfree_plugin.cli.load import LOADED_PER_CORE, LoadWatch
+from packfree_plugin.cli.load import LoadWatch
 
 SUITES = {
     "attention": "benchmarks.attention",
@@ -40,11 +41,10 @@ def _table(rows: list[dict]) -> str:
 
 
 def load_note(load: LoadWatch) -> str:
-    """The line under a suite's table: its load per core before and after, and NOISY above
-    :data:`~packfree_plugin.cli.load.LOADED_PER_CORE`."""
-    verdict = (f"NOISY (above {LOADED_PER_CORE} per core): do not quote these ratios" if load.too_loaded
-               else f"quiet (at most {LOADED_PER_CORE} per core)")
-    return f"load per core: {load.samples[0]:.2f} before, {load.samples[-1]:.2f} after; {verdict}"
+    """The line under a suite's table: the machine's load while it ran, and NOISY when too loaded
+    (:attr:`~packfree_plugin.cli.load.LoadWatch.too_loaded`)."""
+    verdict = "NOISY: do not quote these ratios" if load.too_loaded else "quiet"
+    return f"{load.describe()}; {verdict}"
 
 
 def main() -> None:

@@ -7,9 +7,8 @@
   tokens; the time of 48 new tokens minus that of 1, over 47), packfree against stock: target at most 1.05x.
 
 Packfree's and the reference's runs alternate, and each ratio is the ratio of their medians. A ratio whose run saw
-a load above :data:`packfree_plugin.cli.load.LOADED_PER_CORE` per core (``os.getloadavg()``, before or after) is
-marked NOISY in the output: on a loaded machine the packed path loses more than the reference, and such a figure is
-no figure.
+other processes taking more than :data:`packfree_plugin.cli.load.OTHERS_PER_CORE` of each core is marked NOISY in
+the output: on a loaded machine the packed path loses more than the reference, and such a figure is no figure.
 
 ``python -m benchmarks --only "speed targets (issue 34)"`` (or ``python -m benchmarks.speed_targets [--quick]``).
 """
@@ -45,8 +44,8 @@ def alternating_medians(first: Callable[[], None], second: Callable[[], None], r
 def _row(target: str, limit: float, packfree: float, reference: float, load: LoadWatch) -> dict:
     ratio = packfree / reference
     return {"target": target, "packfree s": packfree, "reference s": reference, "ratio": ratio, "limit": limit,
-            "meets": "yes" if ratio <= limit else "no", "load/core before": load.samples[0],
-            "load/core after": load.samples[-1], "noise": "NOISY" if load.too_loaded else "quiet"}
+            "meets": "yes" if ratio <= limit else "no", "others/core": load.others_per_core,
+            "load avg/core (own included)": load.per_core, "noise": "NOISY" if load.too_loaded else "quiet"}
 
 
 def attention_row(tokens: int, limit: float, repeats: int) -> dict:

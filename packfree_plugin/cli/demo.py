@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .load import LOADED_PER_CORE, LoadWatch
+from .load import LOADED_PER_CORE, OTHERS_PER_CORE, LoadWatch
 
 __all__ = ["DemoOptions", "PaddedCollator", "RunResult", "StepPacker", "build_model", "compare_training",
            "decompose", "demo_config", "gdn_chunk", "run_demo", "skip_token_mixers", "tokenize_gsm8k", "train",
@@ -546,9 +546,11 @@ def verdict(parts: Mapping[str, float | bool], load: LoadWatch, max_rel_loss_dif
     equal = "equal losses" if max_rel_loss_diff <= LOSS_TOLERANCE else "DIFFERENT losses"
     losses = f"{equal} (max relative difference {max_rel_loss_diff:.1e})"
     if load.too_loaded:
-        return (f"no figures: the machine ran at {load.per_core:.2f} load per core (above {LOADED_PER_CORE}), so "
-                "these timings hold other processes' work as much as this run's; rerun on a quiet machine for speed "
-                f"figures. Padded and packed trained with {losses}")
+        busy = (f"the machine ran at {load.per_core:.2f} load per core (above {LOADED_PER_CORE})"
+                if load.others_per_core is None else
+                f"other processes used {load.others_per_core:.2f} of each core (above {OTHERS_PER_CORE})")
+        return (f"no figures: {busy}, so these timings hold other processes' work as much as this run's; rerun on a "
+                f"quiet machine for speed figures. Padded and packed trained with {losses}")
     above = [key for key in PARTS if parts[f"{key}_above_ceiling"]]
     if above:
         return (f"{', '.join(above)} above its ceiling by more than its timing noise: in this run the timings do not "

@@ -14,7 +14,7 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from packfree_plugin.gate.catalogue import sized_types
-from packfree_plugin.cli.load import LOADED_PER_CORE, LoadWatch
+from packfree_plugin.cli.load import OTHERS_PER_CORE, LoadWatch
 from packfree_plugin.cli.main import main
 from packfree_plugin.cli.demo import (
     GDN_CHUNK,
@@ -158,8 +158,10 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     # the load comes with the ratios; a loaded machine gives no figures, a quiet one a result
     load = recorded["load"]
     assert len(load["samples"]) == 2 and load["per_core"] == max(load["samples"])
-    assert f"machine load {load['per_core']:.2f} per core" in console
-    assert load["too_loaded"] is (load["per_core"] > LOADED_PER_CORE)
+    assert f"load average {load['per_core']:.2f} per core" in console
+    others = load["others_per_core"]
+    assert others is not None and f"other processes used {others:.2f} of each core" in console  # Linux: /proc/stat
+    assert load["too_loaded"] is (others > OTHERS_PER_CORE)
     said = console.split("verdict: ", 1)[1].splitlines()[0]
     if load["too_loaded"]:
         assert said.startswith("no figures: ")
@@ -245,11 +247,28 @@ def test_demo_padding_ceiling_is_the_largest_work_ratio() -> None:
 
 def test_load_watch_samples_start_and_end_and_keeps_the_largest() -> None:
     readings = iter([(1.0, 0.0, 0.0), (3.0, 0.0, 0.0)])
-    with LoadWatch(cores=4, read=lambda: next(readings)) as load:
+    with LoadWatch(cores=4, read=lambda: next(readings), busy=lambda: None) as load:
         assert load.samples == [0.25]
     assert load.samples == [0.25, 0.75] and load.per_core == 0.75 and not load.too_loaded
-    assert load.as_dict()["per_core"] == 0.75
+    assert load.as_dict()["per_core"] == 0.75 and load.others_per_core is None
     assert LoadWatch(cores=4, samples=[0.2, 0.76]).too_loaded
+
+
+def test_load_watch_counts_other_processes_not_the_run_itself() -> None:
+    """2 cores busy 4 s over 2 s of wall time, 2 s of them this process's own: the others used half of each core
+    (too loaded), whatever the load average says; the run alone keeping both cores busy is no load."""
+    def watch(busy: list[float], own: list[float]) -> LoadWatch:
+        busy_reads, own_reads, clock = iter(busy), iter(own), iter([0.0, 2.0])
+        with LoadWatch(cores=2, read=lambda: (2.0, 0.0, 0.0), busy=lambda: next(busy_reads),
+                       own=lambda: next(own_reads), clock=lambda: next(clock)) as load:
+            pass
+        return load
+
+    others = watch([10.0, 14.0], [0.0, 2.0])
+    assert others.others_per_core == pytest.approx(0.5) and others.too_loaded
+    alone = watch([10.0, 14.0], [0.0, 4.0])
+    assert alone.others_per_core == 0.0 and alone.per_core == 1.0 and not alone.too_loaded
+    assert "other processes used 0.50 of each core" in others.describe()
 
 
 def test_demo_verdict_gives_no_figures_on_a_loaded_machine() -> None:
