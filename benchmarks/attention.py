@@ -17,6 +17,8 @@ reported memory is that peak minus the process's memory after the model was buil
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import argparse
 import json
 import resource
@@ -99,8 +101,11 @@ def run_case(method: str, tokens: int, repeats: int) -> dict:
             "peak_extra_mib": _rss_mib() - baseline}
 
 
-def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
-    """fwd+bwd of one attention call over the packed samples (see module docstring)."""
+def attention_step(method: str, lengths: list[int]) -> Callable[[], None]:
+    """One fwd+bwd of one attention call over the packed samples of ``lengths`` (16 query heads, 4 key/value heads,
+    head dim 64): ``attn-packfree`` (packfree's packed attention, boundaries built per step as a training step builds
+    them), ``attn-sdpa-packed`` (stock sdpa under the dense mask stock builds from packed ``position_ids``) or
+    ``attn-per-sample`` (stock sdpa on each sample alone, one after the other)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import find_packed_sequence_indices, sdpa_mask, packed_sequence_mask_function, and_masks, causal_mask_function
@@ -114,7 +119,6 @@ def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
-    baseline = _rss_mib()
 
     def step() -> None:
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
@@ -134,7 +138,14 @@ def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
             ], dim=1)
         out.square().mean().backward()
 
-    return {"method": method, "tokens": tokens, "samples": len(lengths), "seconds": median_seconds(step, repeats),
+    return step
+
+
+def _attention_case(method: str, lengths: list[int], repeats: int) -> dict:
+    """fwd+bwd of one attention call over the packed samples (see module docstring)."""
+    step = attention_step(method, lengths)
+    baseline = _rss_mib()
+    return {"method": method, "tokens": sum(lengths), "samples": len(lengths), "seconds": median_seconds(step, repeats),
             "peak_extra_mib": _rss_mib() - baseline}
 
 

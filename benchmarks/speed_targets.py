@@ -50,32 +50,10 @@ def _row(target: str, limit: float, packfree: float, reference: float, load: Loa
 
 def attention_row(tokens: int, limit: float, repeats: int) -> dict:
     """Packed attention call against the per-sample loop at ``tokens`` tokens of 16 samples (module docstring)."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from benchmarks.attention import skewed_lengths
-    from packfree_plugin.attention import AttentionOptions, run_packed_attention
-    from packfree_plugin.boundaries import Boundaries
+    from benchmarks.attention import attention_step, skewed_lengths
 
     lengths = skewed_lengths(tokens)
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator) for heads in (16, 4, 4))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 4, True
-    options = AttentionOptions(scale=0.125, causal=True)
-
-    def packed() -> None:
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        boundaries = Boundaries.from_position_ids(positions)  # built per step, as a training step builds them
-        run_packed_attention(qq, kk, vv, boundaries, options).square().mean().backward()
-
-    def per_sample() -> None:
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = torch.cat([sdpa_attention_forward(module, a, b, c, None, scaling=0.125)[0]
-                         for a, b, c in zip(qq.split(lengths, 2), kk.split(lengths, 2), vv.split(lengths, 2))], dim=1)
-        out.square().mean().backward()
-
+    packed, per_sample = attention_step("attn-packfree", lengths), attention_step("attn-per-sample", lengths)
     with LoadWatch() as load:
         packfree, loop = alternating_medians(packed, per_sample, repeats)
     return _row(f"attention fwd+bwd, {tokens} tokens / {len(lengths)} samples vs per-sample loop", limit, packfree,
