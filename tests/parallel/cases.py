@@ -17,9 +17,10 @@ import os
 import socket
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -266,30 +267,28 @@ START_SECONDS = 300
 """The limit for starting a rank (imports, the process group)."""
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+def start_rank(rank: int, world: int, port: int) -> None:
+    """A spawned rank's environment: the launcher's variables, a limit on its start, one thread per rank (the ranks
+    share the CI machine's two cores)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     faulthandler.dump_traceback_later(START_SECONDS, exit=True)
-    torch.set_num_threads(1)  # the ranks share the CI machine's two cores
-    timeout = timedelta(seconds=COLLECTIVE_SECONDS)  # a collective whose peer went elsewhere raises, not hangs
-    if any(case.engine == "ulysses" for case in cases):
-        from packfree_plugin.parallel import init_deepspeed
+    torch.set_num_threads(1)
 
-        init_deepspeed("gloo", timeout=timeout)  # without DeepSpeed's CPU start-up build (docs/distributed.md)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+
+def run_on_rank(rank: int, runs: list[tuple[str, Callable[[], object]]], out: str) -> NoReturn:
+    """Run each ``(name, run)`` on this rank under :data:`CASE_SECONDS`, keeping its result or the ``ValueError`` it
+    raised (a refusal: every rank raises it alike); rank 0 saves the results to ``out``. Ends the process group and
+    the process."""
     results: dict[str, object] = {}
     try:
-        for case in cases:
+        for name, run in runs:
             faulthandler.dump_traceback_later(CASE_SECONDS, exit=True)
-            print(f"rank {rank}: {case.name}", file=sys.stderr, flush=True)  # names the case a traceback is from
-            _plant(case)
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)  # names the case a traceback is from
             try:
-                results[case.name] = _sequence_parallel(case, rank)
-            except ValueError as error:  # a refusal: every rank raises it in the forward
-                results[case.name] = error
-            finally:
-                _undo_case(case)
+                results[name] = run()
+            except ValueError as error:
+                results[name] = error
         faulthandler.cancel_dump_traceback_later()
         if rank == 0:
             torch.save(results, out)
@@ -297,6 +296,26 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> No
     finally:
         dist.destroy_process_group()
     os._exit(0)  # skip the interpreter's teardown, where gloo's threads can abort a finished process
+
+
+def _run_case(case: Case, rank: int) -> object:
+    _plant(case)
+    try:
+        return _sequence_parallel(case, rank)
+    finally:
+        _undo_case(case)
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+    start_rank(rank, world, port)
+    timeout = timedelta(seconds=COLLECTIVE_SECONDS)  # a collective whose peer went elsewhere raises, not hangs
+    if any(case.engine == "ulysses" for case in cases):
+        from packfree_plugin.parallel import init_deepspeed
+
+        init_deepspeed("gloo", timeout=timeout)  # without DeepSpeed's CPU start-up build (docs/distributed.md)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    run_on_rank(rank, [(case.name, functools.partial(_run_case, case, rank)) for case in cases], out)
 
 
 def _undo_case(case: Case) -> None:

@@ -18,21 +18,20 @@ moves the gradients. The default suite runs :data:`DEFAULT` (one spawn of 2 rank
 
 from __future__ import annotations
 
-import faulthandler
+import functools
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers import COLLECTIVE_SECONDS, wait_for_ranks
 from tests.parallel.cases import (
-    CASE_SECONDS, START_SECONDS, Case, _batch, _free_port, _model, relative_error, stock_alone, targets_of,
+    CASE_SECONDS, START_SECONDS, Case, _batch, _free_port, _model, relative_error, run_on_rank, start_rank, stock_alone,
+    targets_of,
 )
 
 TOLERANCE = 1e-5
@@ -218,11 +217,16 @@ def _undo(snapshot: dict) -> None:
     AcceleratorState._reset_state()
 
 
+def _run_step(run: Run, snapshot: dict) -> object:
+    try:
+        with tempfile.TemporaryDirectory() as output_dir:
+            return _step(run, output_dir)
+    finally:
+        _undo(snapshot)
+
+
 def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    faulthandler.dump_traceback_later(START_SECONDS, exit=True)
-    torch.set_num_threads(1)  # the ranks share the CI machine's two cores
+    start_rank(rank, world, port)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from packfree_plugin.parallel import init_deepspeed
@@ -231,25 +235,7 @@ def _worker(rank: int, world: int, port: int, runs: list[Run], out: str) -> None
     register()
     init_deepspeed("gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
     snapshot = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    results: dict[str, object] = {}
-    try:
-        with tempfile.TemporaryDirectory() as output_dir:
-            for run in runs:
-                faulthandler.dump_traceback_later(CASE_SECONDS, exit=True)
-                print(f"rank {rank}: {run.name}", file=sys.stderr, flush=True)
-                try:
-                    results[run.name] = _step(run, output_dir)
-                except ValueError as error:  # a refusal: every rank raises it alike
-                    results[run.name] = error
-                finally:
-                    _undo(snapshot)
-        faulthandler.cancel_dump_traceback_later()
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown, where gloo's threads can abort a finished process
+    run_on_rank(rank, [(run.name, functools.partial(_run_step, run, snapshot)) for run in runs], out)
 
 
 def _run_on_ranks(runs: list[Run], out: str) -> dict[str, object]:
