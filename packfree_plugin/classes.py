@@ -372,11 +372,22 @@ _NONE = ClassEntry()
 _MODELS = "transformers.models."
 
 
+_QUALIFIED_NAMES: dict[type, str | None] = {}
+"""Class -> its folder-qualified name (None outside transformers' model folders): worked out once per class, since
+:func:`entry_of` runs in every layer of every decode step."""
+
+
 def entry_of(cls: type) -> ClassEntry:
     """The entry of class ``cls``: by its folder-qualified name (``"openai.Attention"``), else its name (an entry with
     every field off where there is none)."""
-    if cls.__module__.startswith(_MODELS):
-        qualified = CLASSES.get(f"{cls.__module__.rsplit('.', 2)[-2]}.{cls.__name__}")
+    try:
+        qualified_name = _QUALIFIED_NAMES[cls]
+    except KeyError:
+        module = cls.__module__
+        qualified_name = _QUALIFIED_NAMES[cls] = (f"{module.rsplit('.', 2)[-2]}.{cls.__name__}"
+                                                  if module.startswith(_MODELS) else None)
+    if qualified_name is not None:
+        qualified = CLASSES.get(qualified_name)
         if qualified is not None:
             return qualified
     return CLASSES.get(cls.__name__, _NONE)

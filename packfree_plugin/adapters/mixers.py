@@ -22,8 +22,8 @@ import re
 from torch import nn
 
 from ..classes import entry_of
-from ..forward.context import boundaries_here
-from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS
+from ..forward.context import boundaries_here, current
+from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..forward.signature import ForwardParameters
 from . import encoders, families  # noqa: F401 - they fill the adapters by family
 from .registry import adapter_for
@@ -38,6 +38,10 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
     ``__dict__``: picklable, and a deep copy binds to the copy."""
     adapter = adapter_for(type(layer))
     original = own_forward(layer)
+    if adapter.attention is None and current() is None and kwargs.keys().isdisjoint(PACKFREE_KWARGS):
+        # a decode step, or a call outside any packed forward: no boundaries can reach this call, so it is the
+        # layer's own (what the full check below concludes, at the cost of binding the call in every layer)
+        return original(*args, **kwargs)
     arguments = own_parameters(layer).bind(args, kwargs)
     boundaries = boundaries_here(kwargs, rows=arguments.get(adapter.hidden_arg))
     if adapter.attention is not None:

@@ -14,6 +14,7 @@ segment path (:mod:`.segments`). ``PACKFREE_ATTENTION_BACKEND`` forces one by na
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -131,15 +132,52 @@ def _run_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
     return chosen.run(query, key, value, boundaries, options, training=training)
 
 
-def _window(module: torch.nn.Module, sliding_window: int | None, *, causal: bool) -> int | None:
+class _LayerFacts(NamedTuple):
+    """What an attention layer's class and config say about every call it makes, read once per layer
+    (:func:`_facts_of`): class-table lookups and config reads cost a decode step's every layer otherwise."""
+
+    relative_position_bias: bool
+    """Its entry's ``relative_position_bias``: the ``position_bias`` kwarg is a bias packfree applies."""
+    half_width_window: bool
+    """Its entry's ``half_width_window`` quirk: bidirectional layers pass their mask's half-width ``w``, not ``w + 1``."""
+    chunk: int | None
+    """Chunked attention's chunk size (transformers' convention: ``config.layer_types[layer_idx]`` is
+    ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None."""
+
+
+_FACTS_ATTR = "_packfree_attention_facts"
+
+
+def _facts_of(module: torch.nn.Module) -> _LayerFacts:
+    """``module``'s :class:`_LayerFacts`, kept on it (outside compiled graphs) after the first call."""
+    known = module.__dict__.get(_FACTS_ATTR)
+    if known is not None:
+        return known
+    entry = entry_of(type(module))
+    facts = _LayerFacts(entry.relative_position_bias, entry.half_width_window, _read_chunk(module))
+    if not torch.compiler.is_compiling():
+        module.__dict__[_FACTS_ATTR] = facts
+    return facts
+
+
+def _window(facts: _LayerFacts, sliding_window: int | None, *, causal: bool) -> int | None:
     """The layer's ``sliding_window`` in the attention-kwarg convention of :class:`AttentionOptions`: the one its
-    stock sdpa mask applies (a ``half_width_window`` quirk: the layer passes its mask's half-width ``w``, not
-    transformers' attention-kwarg ``w + 1``)."""
+    stock sdpa mask applies (a ``half_width_window`` layer passes its mask's half-width ``w``, not transformers'
+    attention-kwarg ``w + 1``)."""
     if not sliding_window:
         return None
-    if not causal and entry_of(type(module)).half_width_window:
+    if not causal and facts.half_width_window:
         return sliding_window + 1
     return sliding_window
+
+
+def _unknown_tensors(kwargs: dict) -> list[str]:
+    """Names of tensors in an attention call's ``**kwargs`` that change what it computes (none expected)."""
+    unknown = []
+    for name, value in kwargs.items():  # a loop, not a comprehension: this runs in every layer of a decode step
+        if isinstance(value, torch.Tensor) and name not in _INERT_TENSOR_KWARGS:
+            unknown.append(name)
+    return sorted(unknown)
 
 
 def packfree_attention_forward(
@@ -158,9 +196,9 @@ def packfree_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention contract: ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, T, H, Dv], None)``."""
     sinks = s_aux if s_aux is not None else kwargs.pop("sinks", None)
-    position_bias = kwargs.pop("position_bias", None) if entry_of(type(module)).relative_position_bias else None
-    unknown = sorted(name for name, value in kwargs.items()
-                     if isinstance(value, torch.Tensor) and name not in _INERT_TENSOR_KWARGS)
+    facts = _facts_of(module)
+    position_bias = kwargs.pop("position_bias", None) if facts.relative_position_bias else None
+    unknown = _unknown_tensors(kwargs)
     if unknown:
         raise ValueError(
             f"{type(module).__name__} passed {', '.join(unknown)} to the attention function; packfree does not "
@@ -168,14 +206,24 @@ def packfree_attention_forward(
             "model, or register a MixerAdapter with attention='sdpa' for this layer)"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if (attention_mask is None or isinstance(attention_mask, torch.Tensor)) and current() is None \
+            and in_prepared_forward() and kwargs.get("packfree_boundaries") is None:
+        # a decode step (its entry pushed None, and no boundaries came through the kwargs): stock's mask, or none
+        if not softcap and sinks is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
+                                          is_causal=causal, position_bias=position_bias)
+        return _masked_attention(module, query, key, value, attention_mask,
+                                 AttentionOptions(scale, causal, None, softcap or None, sinks, dropout),
+                                 training=module.training, position_bias=position_bias, **kwargs)
     options = AttentionOptions(
-        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        scale=scale,
         causal=causal,
-        window=_window(module, sliding_window, causal=causal),
+        window=_window(facts, sliding_window, causal=causal),
         softcap=softcap or None,
         sinks=sinks,
         dropout=dropout,
-        chunk=_chunk_of(module),
+        chunk=facts.chunk,
     )
     training = module.training
     if isinstance(attention_mask, Seq2SeqBoundaries) or (position_bias is not None and
@@ -236,23 +284,8 @@ def _wrapped_by_sequence_parallel() -> bool:
     return ALL_ATTENTION_FUNCTIONS.get("packfree") not in (None, packfree_attention_forward)
 
 
-def _chunk_of(module: torch.nn.Module) -> int | None:
-    """The chunk size of a chunked-attention layer (transformers' convention: ``config.layer_types[layer_idx]`` is
-    ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None. Read once per layer (config reads
-    cost a short row's every layer) and kept on it, outside compiled graphs."""
-    known = module.__dict__.get(_CHUNK_ATTR)
-    if known is not None:
-        return known[0]
-    chunk = _read_chunk(module)
-    if not torch.compiler.is_compiling():
-        module.__dict__[_CHUNK_ATTR] = (chunk,)
-    return chunk
-
-
-_CHUNK_ATTR = "_packfree_attention_chunk"
-
-
 def _read_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (:attr:`_LayerFacts.chunk`), else None."""
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     layer_idx = getattr(module, "layer_idx", None)
