@@ -115,7 +115,8 @@ def attention_step(method: str, lengths: list[int]) -> Callable[[], None]:
 
     tokens = sum(lengths)
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, tokens, 64, generator=generator) for heads in (16, 4, 4))
+    # [B, H, T, D] views of [B, T, H, D] tensors: the layout transformers' attention layers hand over
+    q, k, v = (torch.randn(1, tokens, heads, 64, generator=generator).transpose(1, 2) for heads in (16, 4, 4))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True

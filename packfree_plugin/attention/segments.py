@@ -22,6 +22,7 @@ recompile when the packing changes.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import numpy
@@ -63,14 +64,17 @@ class _Plan(NamedTuple):
 
 
 def _plan(boundaries: Boundaries, device: torch.device, chunk: int | None) -> _Plan:
-    """Group the spans of ``boundaries`` that attend only to themselves (:func:`_attended_spans`): long ones alone,
-    short ones by length; built once per forward, on the host."""
+    """Group the spans of ``boundaries`` that attend only to themselves (:func:`_attended_spans`): short ones that
+    share their length batched by length, every other one alone, in place (a row whose groups are all alone keeps its
+    order: no gather); built once per forward, on the host."""
     runs: list[tuple[int, list[int]]] = []
     short: dict[int, list[int]] = {}
-    for start, length in _attended_spans(boundaries, chunk):
-        if length <= BATCHED_UP_TO:
+    spans = _attended_spans(boundaries, chunk)
+    shared = Counter(length for _, length in spans if length <= BATCHED_UP_TO)
+    for start, length in spans:
+        if shared[length] > 1:
             short.setdefault(length, []).append(start)
-        else:
+        else:  # long, or a short length no other span has: batching it would only move it
             runs.append((length, [start]))
     groups = [_Group(length, len(starts)) for length, starts in (*runs, *short.items())]
     starts = numpy.array([start for _, group_starts in (*runs, *short.items()) for start in group_starts],
