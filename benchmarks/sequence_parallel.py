@@ -23,12 +23,13 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import socket
 import statistics
 import sys
 import tempfile
 import time
+
+from benchmarks.memory import current_mib, peak_mib, reset_peak
 
 TOKENS = (16384,)
 """Rows measured by default. 65,536 tokens (``--tokens 16384 65536``) needs about 4x the 16k peak in the one process
@@ -46,22 +47,6 @@ SHAPES: dict[str, dict] = {
 """4 layers, width 256, 8 query / 4 key-value attention heads of 32, vocabulary 8192 (the logits of a long row
 dominate activation memory in real models too); Qwen3-Next: 3 Gated DeltaNet layers (8 value / 4 key heads of 32)
 and 1 attention layer, dense MLPs."""
-
-
-def _peak_mib() -> float:
-    """This process's peak resident memory since the last :func:`_reset_peak` (VmHWM), MiB."""
-    with open("/proc/self/status") as status:
-        return int(re.search(r"VmHWM:\s+(\d+)", status.read()).group(1)) / 1024
-
-
-def _current_mib() -> float:
-    with open("/proc/self/status") as status:
-        return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
 
 
 def packed_row(tokens: int, vocab_size: int) -> dict:
@@ -109,15 +94,15 @@ def _worker(rank: int, world: int, port: int, shape: str, tokens: int, repeats: 
 
     for parameter in model.parameters():  # allocated before the peak is reset: parameters' memory, not activations
         parameter.grad = torch.zeros_like(parameter)
-    before = _current_mib()
-    _reset_peak()
+    before = current_mib()
+    reset_peak()
     times, loss = [], 0.0
     for _ in range(repeats + 1):  # the first is a warm-up; its memory counts (the peak is the peak)
         dist.barrier()
         start = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - start)
-    result = {"peak_extra_mib": _peak_mib() - before, "seconds": statistics.median(times[1:]), "loss": loss,
+    result = {"peak_extra_mib": peak_mib() - before, "seconds": statistics.median(times[1:]), "loss": loss,
               "shard_tokens": inputs["input_ids"].shape[1]}
     with open(f"{out}.{rank}", "w") as file:
         json.dump(result, file)
