@@ -76,21 +76,34 @@ def _plan(boundaries: Boundaries, device: torch.device, chunk: int | None) -> _P
             short.setdefault(length, []).append(start)
         else:  # long, or a short length no other span has: batching it would only move it
             runs.append((length, [start]))
-    groups = [_Group(length, len(starts)) for length, starts in (*runs, *short.items())]
-    starts = numpy.array([start for _, group_starts in (*runs, *short.items()) for start in group_starts],
+    laid_out = (*runs, *short.items())
+    groups = tuple(_Group(length, len(starts)) for length, starts in laid_out)
+    total = boundaries.batch_size * boundaries.seq_len
+    if _in_row_order(laid_out, total):
+        return _Plan(groups, None, None)
+    starts = numpy.array([start for _, group_starts in laid_out for start in group_starts],
                          dtype=numpy.int64)
-    lengths = numpy.array([length for length, group_starts in (*runs, *short.items()) for _ in group_starts],
+    lengths = numpy.array([length for length, group_starts in laid_out for _ in group_starts],
                           dtype=numpy.int64)
     order = numpy.repeat(starts - numpy.cumsum(lengths) + lengths, lengths) + numpy.arange(lengths.sum())
-    total = boundaries.batch_size * boundaries.seq_len
-    if order.size == total and numpy.array_equal(order, numpy.arange(total)):
-        return _Plan(tuple(groups), None, None)
     inverse = None
     if order.size == total:
         inverse = numpy.empty(total, dtype=numpy.int64)
         inverse[order] = numpy.arange(total)
         inverse = torch.from_numpy(inverse).to(device)
-    return _Plan(tuple(groups), torch.from_numpy(order).to(device), inverse)
+    return _Plan(groups, torch.from_numpy(order).to(device), inverse)
+
+
+def _in_row_order(laid_out: tuple[tuple[int, list[int]], ...], total: int) -> bool:
+    """Whether groups ``(length, starts)`` laid out one after another cover all ``total`` flat tokens in row order,
+    so group order is the row itself (checked in Python: numpy's per-call cost exceeds a short row's loop)."""
+    position = 0
+    for length, starts in laid_out:
+        for start in starts:
+            if start != position:
+                return False
+            position += length
+    return position == total
 
 
 def _grouped(t: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:

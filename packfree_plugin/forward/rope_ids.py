@@ -49,6 +49,21 @@ def uses_mrope(config: Any) -> bool:
     return False
 
 
+_MROPE_ATTR = "_packfree_uses_mrope"
+
+
+def _model_uses_mrope(module: nn.Module) -> bool:
+    """:func:`uses_mrope` of ``module``'s config, kept on the module after its first forward: its rotary embedding was
+    built from that config, and reading it costs every forward (the text config's lookup, the rope dict's items)."""
+    known = module.__dict__.get(_MROPE_ATTR)
+    if known is not None:
+        return known
+    mrope = uses_mrope(getattr(module, "config", None))
+    if not torch.compiler.is_compiling():
+        module.__dict__[_MROPE_ATTR] = mrope
+    return mrope
+
+
 def check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     """Refuse position ids whose form does not fit the model's rotary scheme: 3-D ids on a model without MRoPE
     (transformers fails deep inside); on an MRoPE model with images, 2-D ids on a packed row (the model would copy
@@ -58,13 +73,13 @@ def check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
     plane). Images are present when any of :func:`carries_images`'s signals says so: pixel values, grids,
     precomputed vision outputs, or placeholder tokens."""
     position_ids = arguments.get("position_ids")
-    config = getattr(module, "config", None)
-    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not uses_mrope(config):
+    mrope = _model_uses_mrope(module)
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 3 and not mrope:
         raise ValueError(
             f"{type(module).__name__} got position_ids of shape {list(position_ids.shape)}: [R, B, T] ids are for "
             "multimodal RoPE, which this model does not use. Pass [B, T] ids"
         )
-    if not uses_mrope(config) or not carries_images(config, arguments):
+    if not mrope or not carries_images(getattr(module, "config", None), arguments):
         return
     if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2:
         if not carries_packing_signal(arguments):
