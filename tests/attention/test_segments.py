@@ -264,3 +264,35 @@ def test_backward_touches_the_row_a_constant_number_of_times(few: list[int], man
     few_blocks, many_blocks = blocks
     assert _whole_row_results_in_backward(many, options, many_blocks) == _whole_row_results_in_backward(
         few, options, few_blocks)
+
+
+class _CountGathers(TorchDispatchMode):
+    """Counts ``index_select`` / ``index_copy`` calls (the gather into group order and the write back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.index_select, torch.ops.aten.index_copy)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("lengths", "gathers"), [([100, 10, 100, 12, 30], 0), ([100, 10, 100, 10, 30], 4)],
+                         ids=["short-lengths-all-differ", "a-short-length-shared"])
+def test_a_row_is_gathered_only_where_batching_short_samples_needs_it(lengths: list[int], gathers: int) -> None:
+    """Short samples that share their length run as one batched call, which needs the row in group order (a gather
+    of each of q, k and v, one write back); a short sample whose length no other has stays in place, and a row of such samples is
+    attended as views of itself. Outputs equal each sample alone either way."""
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1)
+    options = AttentionOptions(scale=0.3, causal=True)
+    with _CountGathers() as counter:
+        out = segments.segment_attention(q, k, v, boundaries, options)
+    assert counter.count == gathers
+    begin = 0
+    for length in lengths:
+        piece = slice(begin, begin + length)
+        expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=0.3, causal=True,
+                                   window=None, softcap=None, sinks=None)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {begin}")
+        begin += length
