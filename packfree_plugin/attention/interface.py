@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..ops import backends, opaque
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
-from ..forward.context import boundaries_here, current, in_prepared_forward, is_prepared
+from ..forward.context import boundaries_here, current, in_prepared_forward, is_prepared, kept_on
 from ..forward.keywords import BOUNDARY_KWARGS
 from ..ops.opaque import boundary_op
 from .masks import PER_SAMPLE_MASK
@@ -145,19 +145,13 @@ class _LayerFacts(NamedTuple):
     ``"chunked_attention"``, the size ``config.attention_chunk_size``), else None."""
 
 
-_FACTS_ATTR = "_packfree_attention_facts"
-
-
 def _facts_of(module: torch.nn.Module) -> _LayerFacts:
-    """``module``'s :class:`_LayerFacts`, kept on it (outside compiled graphs) after the first call."""
-    known = module.__dict__.get(_FACTS_ATTR)
-    if known is not None:
-        return known
-    entry = entry_of(type(module))
-    facts = _LayerFacts(entry.relative_position_bias, entry.half_width_window, _read_chunk(module))
-    if not torch.compiler.is_compiling():
-        module.__dict__[_FACTS_ATTR] = facts
-    return facts
+    """``module``'s :class:`_LayerFacts`, kept on it after the first call (:func:`~..forward.context.kept_on`)."""
+    def read() -> _LayerFacts:
+        entry = entry_of(type(module))
+        return _LayerFacts(entry.relative_position_bias, entry.half_width_window, _read_chunk(module))
+
+    return kept_on(module, "_packfree_attention_facts", read)
 
 
 def _window(facts: _LayerFacts, sliding_window: int | None, *, causal: bool) -> int | None:
@@ -210,9 +204,6 @@ def packfree_attention_forward(
     if (attention_mask is None or isinstance(attention_mask, torch.Tensor)) and current() is None \
             and in_prepared_forward() and kwargs.get("packfree_boundaries") is None:
         # a decode step (its entry pushed None, and no boundaries came through the kwargs): stock's mask, or none
-        if not softcap and sinks is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
-                                          is_causal=causal, position_bias=position_bias)
         return _masked_attention(module, query, key, value, attention_mask,
                                  AttentionOptions(scale, causal, None, softcap or None, sinks, dropout),
                                  training=module.training, position_bias=position_bias, **kwargs)

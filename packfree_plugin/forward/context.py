@@ -11,7 +11,8 @@ of the former and breaks the graph on the latter, and these reads happen in ever
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ __all__ = [
     "fits",
     "in_prepared_forward",
     "is_prepared",
+    "kept_on",
     "leave_layer",
     "mark_prepared",
     "native_call",
@@ -119,6 +121,22 @@ def mark_prepared(model: nn.Module) -> None:
 def is_prepared(module: nn.Module) -> bool:
     """Whether ``module`` belongs to a model packfree prepared (:func:`mark_prepared`)."""
     return module.__dict__.get(_PREPARED_ATTR, False)
+
+
+_Fact = TypeVar("_Fact")
+
+
+def kept_on(module: nn.Module, name: str, read: Callable[[], _Fact]) -> _Fact:
+    """``read()``, kept in ``module.__dict__[name]`` after its first call outside compiled graphs: a fact of the
+    module's class or config (fixed once the model is built) that would otherwise be read in every call of a layer
+    or forward. ``read`` must not return None (None means not kept yet)."""
+    known = module.__dict__.get(name)
+    if known is not None:
+        return known
+    fact = read()
+    if not torch.compiler.is_compiling():
+        module.__dict__[name] = fact
+    return fact
 
 
 _ANY_ROWS = object()

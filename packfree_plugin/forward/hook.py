@@ -112,10 +112,7 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = model.__dict__.get(_CALL)
         if call is not None:
             return call(model, _own_forward(model), *args, **kwargs)
-        earlier = model.__dict__.get(_EARLIER)
-        if earlier is not None:
-            return earlier(*args, **kwargs)
-        return type(model).forward(model, *args, **kwargs)
+        return _own_forward(model)(*args, **kwargs)
     finally:
         if pushed:
             pop()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .context import kept_on
 from .reading import packing_signs
 from .unpacked import carries_packing_signal
 
@@ -49,19 +50,10 @@ def uses_mrope(config: Any) -> bool:
     return False
 
 
-_MROPE_ATTR = "_packfree_uses_mrope"
-
-
 def _model_uses_mrope(module: nn.Module) -> bool:
     """:func:`uses_mrope` of ``module``'s config, kept on the module after its first forward: its rotary embedding was
     built from that config, and reading it costs every forward (the text config's lookup, the rope dict's items)."""
-    known = module.__dict__.get(_MROPE_ATTR)
-    if known is not None:
-        return known
-    mrope = uses_mrope(getattr(module, "config", None))
-    if not torch.compiler.is_compiling():
-        module.__dict__[_MROPE_ATTR] = mrope
-    return mrope
+    return kept_on(module, "_packfree_uses_mrope", lambda: uses_mrope(getattr(module, "config", None)))
 
 
 def check_rope_ids(module: nn.Module, arguments: dict[str, Any]) -> None:
