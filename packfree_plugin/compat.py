@@ -18,7 +18,8 @@ from importlib.metadata import version
 from packaging.version import Version
 
 __all__ = ["NEWEST_TESTED_TRANSFORMERS", "OLDEST_TRANSFORMERS", "TESTED_TRANSFORMERS", "TRANSFORMERS_RANGE",
-           "check_transformers_version", "is_untested", "kernel_seam", "unroutable_message"]
+           "check_transformers_version", "installed_transformers", "is_untested", "kernel_seam",
+           "unroutable_message"]
 
 OLDEST_TRANSFORMERS = "5.20.0"
 """The oldest transformers release the suite passes on (``nox -s compat`` runs it)."""
@@ -34,20 +35,25 @@ logger = logging.getLogger("packfree")
 _said_untested: set[str] = set()
 
 
-def _installed() -> str:
+def installed_transformers() -> str:
+    """The installed transformers release, from its distribution metadata: the one version every check of packfree
+    reads (the range at load, the gate's record in ``gate/verified.json``). Not ``transformers.__version__``: that is
+    an attribute of whichever module object ``sys.modules["transformers"]`` holds at the time, and transformers
+    replaces that object when ``processing_utils`` is first imported (``direct_transformers_import`` runs its
+    ``__init__.py`` again)."""
     return version("transformers")
 
 
 def is_untested(installed: str | None = None) -> bool:
     """Whether ``installed`` is newer than every tested release series (inside the declared range)."""
-    release = Version(installed or _installed()).release[:2]
+    release = Version(installed or installed_transformers()).release[:2]
     return release > Version(NEWEST_TESTED_TRANSFORMERS).release[:2]
 
 
 def check_transformers_version(installed: str | None = None) -> None:
     """Raise ``ValueError`` naming the declared range when the installed transformers is outside it; on a release
     newer than the tested ones, log once that every model is proved at load."""
-    installed = installed or _installed()
+    installed = installed or installed_transformers()
     if not Version(OLDEST_TRANSFORMERS) <= Version(installed) < Version(NEXT_UNTESTED_MAJOR):
         raise ValueError(
             f"packfree supports transformers {TRANSFORMERS_RANGE} (tested on {TESTED_TRANSFORMERS}); transformers "
@@ -63,7 +69,7 @@ def check_transformers_version(installed: str | None = None) -> None:
 def unroutable_message(module_name: str, function: str, kernel: str, why: str) -> str:
     """The refusal of a model whose modeling module's kernel function packfree cannot route (``why``: it is missing,
     or transformers' kernel seam refused packfree's route)."""
-    installed = _installed()
+    installed = installed_transformers()
     newest = Version(NEWEST_TESTED_TRANSFORMERS)
     advice = (f"install a tested release (pip install 'transformers>={OLDEST_TRANSFORMERS},<{newest.major}."
               f"{newest.minor + 1}') or wait for a packfree release that supports transformers {installed}")

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from torch import nn
 
+from ..compat import installed_transformers
+
 __all__ = ["COPY_PARAMETERS", "NoCopyError", "TRUST_ENV", "VERIFIED_FILE", "admit", "bypassed", "is_verified",
            "prove_copy", "prove_tiny_copy", "switches", "verified_classes"]
 
@@ -80,23 +82,22 @@ def _verified(version: str) -> dict:
 
 def verified_classes(version: str | None = None) -> frozenset[tuple[str, str]]:
     """``(model_type, class name)`` pairs the sweep proved exact under transformers ``version`` (default: installed)."""
-    import transformers
-
-    exact = _verified(version or transformers.__version__).get("exact", {})
+    exact = _verified(version or installed_transformers()).get("exact", {})
     return frozenset((model_type, name) for model_type, names in exact.items() for name in names)
 
 
 def is_verified(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers class the sweep proved exact for the installed transformers, with
     the switches the sweep proved it with."""
-    import transformers
-
     cls = type(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if not cls.__module__.startswith("transformers.models.") or (model_type, cls.__name__) not in verified_classes():
+    if not cls.__module__.startswith("transformers.models."):
         return False
-    proved = _verified(transformers.__version__).get("switches", {}).get(model_type, {})
+    installed = installed_transformers()
+    if (model_type, cls.__name__) not in verified_classes(installed):
+        return False
+    proved = _verified(installed).get("switches", {}).get(model_type, {})
     mine = switches(config)
     return all(mine.get(name, value) == value for name, value in proved.items())
 
