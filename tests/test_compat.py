@@ -42,6 +42,7 @@ def test_a_newer_release_inside_the_range_is_said_once_and_every_model_proved(mo
     assert compat.is_untested(newer) and not compat.is_untested(compat.NEWEST_TESTED_TRANSFORMERS)
     packfree_plugin.register()
     monkeypatch.setattr(compat, "version", lambda name: newer)
+    monkeypatch.setattr(compat, "_said_untested", set())  # said once in this test, whatever ran before
     monkeypatch.setattr(admission, "_verdicts", {})
     with caplog.at_level("WARNING", logger="packfree"):
         models = [AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="packfree",
