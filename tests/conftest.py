@@ -1,10 +1,16 @@
-"""Shared test harness: Hypothesis profiles, a NaN-failing ``assert_close``, tiny model configs."""
+"""Shared test harness: Hypothesis profiles, the isolation guard around every test, a NaN-failing ``assert_close``,
+tiny model configs."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import random
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -18,6 +24,123 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+LEAK_LOG = os.environ.get("PACKFREE_LEAK_LOG")
+"""Where set, the isolation guard also appends to this file each leak it finds and each environment or torch-state
+change it put back (test id, then what)."""
+
+SEED = 0
+"""Every test starts from ``torch.manual_seed(SEED)`` (and ``random``'s, numpy's): its data never depends on the
+tests that ran before it."""
+
+_PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
+"""Environment variables pytest itself sets around each test: never restored."""
+_MISSING = object()
+
+
+def _torch_state() -> tuple:
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled())
+
+
+def _set_torch_state(state: tuple) -> None:
+    dtype, threads, grad, deterministic, anomaly = state
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.autograd.set_detect_anomaly(anomaly)
+
+
+def _restore_entries(mapping: dict, before: dict) -> list[str]:
+    """Put back the entries of ``before`` that ``mapping`` lost or replaced (entries added since stay: registries
+    fill lazily); returns their keys."""
+    lost = [key for key, value in before.items() if mapping.get(key, _MISSING) is not value]
+    for key in lost:
+        mapping[key] = before[key]
+    return [str(key) for key in lost]
+
+
+def _foreign_modules(before: dict[str, Any]) -> list[str]:
+    """The ``sys.modules`` entries a test removed, replaced by something other than a re-import of the same file
+    (transformers' first ``processing_utils`` import re-executes its package: a new module object, same file), or
+    added as a non-module (a fake or a ``None`` import blocker); each is put back or removed."""
+    leaked = []
+    for name, module in before.items():
+        now = sys.modules.get(name, _MISSING)
+        if now is module:
+            continue
+        if isinstance(now, types.ModuleType) and getattr(now, "__file__", None) is not None \
+                and getattr(now, "__file__", None) == getattr(module, "__file__", _MISSING):
+            continue
+        leaked.append(name)
+        sys.modules[name] = module
+    for name in [name for name in sys.modules.keys() - before.keys()
+                 if not isinstance(sys.modules[name], types.ModuleType)]:
+        leaked.append(name)
+        del sys.modules[name]
+    return leaked
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test starts from the same seeds (:data:`SEED`) and leaves what it found. Put back silently after each
+    test: environment variables, torch's default dtype, thread count, grad, deterministic and anomaly modes. Put
+    back, and the test fails: a non-empty boundary stack, packfree registered or unregistered, an entry of
+    transformers' attention or mask registry or of packfree's ``CLASSES`` / ``ADAPTERS`` removed or replaced, a
+    ``sys.modules`` entry removed, swapped or faked (:func:`_foreign_modules`)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import packfree_plugin
+    from packfree_plugin.adapters.registry import ADAPTERS
+    from packfree_plugin.classes import CLASSES
+    from packfree_plugin.forward import context
+
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    environ = dict(os.environ)
+    modules = dict(sys.modules)
+    torch_state = _torch_state()
+    registered = packfree_plugin.is_registered()
+    registries = {"AttentionInterface": (AttentionInterface._global_mapping, dict(AttentionInterface._global_mapping)),
+                  "AttentionMaskInterface": (AttentionMaskInterface._global_mapping,
+                                             dict(AttentionMaskInterface._global_mapping)),
+                  "CLASSES": (CLASSES, dict(CLASSES)), "ADAPTERS": (ADAPTERS, dict(ADAPTERS))}
+    yield
+    leaks = []
+    stack = context._STACK
+    if stack.items or stack.layers_pushed or stack.native is not None:
+        leaks.append(f"the boundary stack: {len(stack.items)} entries, {len(stack.layers_pushed)} layer marks, "
+                     f"native call {stack.native is not None}")
+        stack.items.clear()
+        stack.layers_pushed.clear()
+        stack.native = None
+    if packfree_plugin.is_registered() != registered:
+        leaks.append(f"packfree {'unregistered' if registered else 'registered'}")
+        packfree_plugin.register() if registered else packfree_plugin.unregister()
+    for name, (mapping, before) in registries.items():
+        if lost := _restore_entries(mapping, before):
+            leaks.append(f"{name} entries removed or replaced: {', '.join(lost)}")
+    if foreign := _foreign_modules(modules):
+        leaks.append(f"sys.modules entries removed, swapped or faked: {', '.join(foreign)}")
+    changed = sorted(key for key in (environ.keys() | os.environ.keys()) - _PYTEST_OWN
+                     if environ.get(key) != os.environ.get(key))
+    for key in changed:
+        if key in environ:
+            os.environ[key] = environ[key]
+        else:
+            del os.environ[key]
+    if (now := _torch_state()) != torch_state:
+        _set_torch_state(torch_state)
+    if LEAK_LOG:
+        extra = [f"environment: {', '.join(changed)}"] if changed else []
+        extra += [f"torch state: {torch_state} -> {now}"] if now != torch_state else []
+        with open(LEAK_LOG, "a") as out:
+            out.writelines(f"{request.node.nodeid}\t{leak}\n" for leak in leaks + extra)
+    if leaks:
+        pytest.fail("the test left behind " + "; ".join(leaks) + " (restored now)", pytrace=False)
 
 
 STACK = ("torch", "transformers", "kernels", "accelerate", "peft", "trl", "sentence-transformers", "deepspeed", "triton",
@@ -36,6 +159,15 @@ def pytest_report_header(config: pytest.Config) -> str:
         except PackageNotFoundError:
             continue
     return "packfree's stack: " + ", ".join(found)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Under pytest-randomly's order (``nox -s random``), the seed again at the end, where the failures are, and
+    the command that replays it (``-q`` hides the header that names it)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int) and config.option.randomly_reorganize:
+        terminalreporter.write_line(f"random order: --randomly-seed={seed} (replay: nox -s random -- "
+                                    f"--randomly-seed={seed}, or pytest -p randomly --randomly-seed={seed})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

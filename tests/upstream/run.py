@@ -244,8 +244,8 @@ def run(checkout: Path, *, models: Sequence[str], implementations: Sequence[str]
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                "PACKFREE_AUTOLOAD": "1" if impl == "packfree" else "0"}
         command = [sys.executable, "-m", "pytest", "-p", "hf_padding_free_plugin", "-p", "no:cacheprovider",
-                   "-p", "timeout", f"--timeout={timeout_s}", "--rootdir", str(checkout), "-q", "-rN",
-                   "--continue-on-collection-errors", "-W", "ignore", *_files(checkout, models)]
+                   "-p", "no:randomly", "-p", "timeout", f"--timeout={timeout_s}", "--rootdir", str(checkout),
+                   "-q", "-rN", "--continue-on-collection-errors", "-W", "ignore", *_files(checkout, models)]
         log = open(results_dir / f"{impl}.log", "w", encoding="utf-8")  # closed when the process ends
         started[impl] = time.monotonic()
         processes[impl] = (subprocess.Popen(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT),

@@ -131,8 +131,9 @@ def test_the_plugin_lifts_requirements_substitutes_and_splits_per_model_class(tm
     env = {**os.environ, "PYTHONPATH": str(HERE), "PACKFREE_UPSTREAM_IMPL": "sdpa", "PACKFREE_AUTOLOAD": "0",
            "PACKFREE_UPSTREAM_RESULTS": str(results), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hf_padding_free_plugin", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), "-q", "tests/models"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "pytest", "-p", "hf_padding_free_plugin", "-p", "no:cacheprovider", "-p", "no:randomly",
+         "--rootdir", str(tmp_path), "-q", "tests/models"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300)
     outcomes = {(r["test_class"], r["model_class"]): r["outcome"]
                 for r in map(json.loads, results.read_text().splitlines())}
     assert outcomes == {

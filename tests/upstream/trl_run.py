@@ -82,7 +82,7 @@ def run(checkout: Path, files: list[str], selection: str, out: Path, timeout_s: 
                "PACKFREE_TRL_IMPL": impl, "PACKFREE_TRL_RESULTS": str(results), "OMP_NUM_THREADS": "1",
                "PACKFREE_AUTOLOAD": "1" if impl == "packfree" else "0"}
         command = [sys.executable, "-m", "pytest", "-p", "trl_packfree_plugin", "-p", "no:cacheprovider",
-                   "--rootdir", str(checkout), "-q", "-rN", "-W", "ignore", "-k", selection,
+                   "-p", "no:randomly", "--rootdir", str(checkout), "-q", "-rN", "-W", "ignore", "-k", selection,
                    *(f"tests/{name}" for name in files)]
         log = (out / f"{impl}.log").open("w")
         processes[impl] = subprocess.Popen(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
