@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 import nox
 
@@ -33,9 +34,33 @@ def demo_vlm(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The default suite (Hypothesis profile ``ci``)."""
+    """The default suite (Hypothesis profile ``ci``), in file order (pyproject's addopts: ``-p no:randomly``)."""
     _install(session)
     session.run("python", "-m", "pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+@nox.session(name="random")
+def random_order(session: nox.Session) -> None:
+    """The default suite in a random order (pytest-randomly shuffles files, then the tests in each), with its seed
+    printed before and after the run; ``nox -s random -- --randomly-seed=N`` replays one order. Only the order is
+    random: every test still starts from the seeds tests/conftest.py gives it (``--randomly-dont-reset-seed``)."""
+    _install(session)
+    seed = []
+    if not any(arg.startswith("--randomly-seed") for arg in session.posargs):
+        seed = [f"--randomly-seed={secrets.randbits(32)}"]
+        session.log(f"random order {seed[0]} (replay: nox -s random -- {seed[0]})")
+    session.run("python", "-m", "pytest", "-q", "-p", "randomly", "--randomly-dont-reset-seed", *seed,
+                *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+@nox.session
+def alone(session: nox.Session) -> None:
+    """Every test file of the default suite alone, one pytest process per file (tooling/alone.py), then the files
+    that fail alone and their failing tests: such a file depends on what an earlier file left behind. It costs the
+    suite's time plus one start of torch and transformers per file (about 90 files); ``nox -s alone -- --files
+    tests/gate`` runs some files, ``-- --jobs 2`` two at once."""
+    _install(session)
+    session.run("python", "-m", "tooling.alone", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
 
 
 OLDEST_TRANSFORMERS = "5.20.0"  # packfree_plugin.compat.OLDEST_TRANSFORMERS
