@@ -214,21 +214,26 @@ def _refuse_stock_mixers(model: nn.Module, core: str) -> None:
 def _refusing_packed_rows(ulysses: Callable[..., Any], core: str, mpu: ModuleType,
                           disable_in_eval: bool) -> Callable[..., Any]:
     """DeepSpeed's Ulysses wrapper of a stock attention ``core`` refusing a packed row: it drops the mask, so
-    ``core`` attends causally over the whole gathered row. Reads the row's ``position_ids`` gathered over the group,
-    so every rank refuses alike, before DeepSpeed's own shape checks."""
+    ``core`` attends causally over the whole row. In training, and in eval unless ``disable_in_eval``, the row is
+    split: its ``position_ids`` are read gathered over the group, so every rank refuses alike, before DeepSpeed's own
+    shape checks. In eval with ``disable_in_eval`` each rank runs its own whole rows, still without their mask
+    (DeepSpeed drops it before it stands aside): its ``position_ids`` are read as they are."""
 
     @functools.wraps(ulysses)
     def checked(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         position_ids = kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor) and (module.training or not disable_in_eval):
-            group = mpu.get_sequence_parallel_group()
-            parts = [torch.empty_like(position_ids) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, position_ids.contiguous(), group=group)
-            if bool((torch.cat(parts, dim=-1)[..., 1:] == 0).any()):
+        if isinstance(position_ids, torch.Tensor):
+            rows = position_ids
+            if module.training or not disable_in_eval:
+                group = mpu.get_sequence_parallel_group()
+                parts = [torch.empty_like(position_ids) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, position_ids.contiguous(), group=group)
+                rows = torch.cat(parts, dim=-1)
+            if bool((rows[..., 1:] == 0).any()):
                 raise ValueError(
                     f"a packed row (position_ids restarting inside the row) reached {core} attention under DeepSpeed "
-                    f"Ulysses, which drops the attention mask: {core} would attend causally over the whole gathered "
-                    "row, so its samples would attend to each other. Load the model with "
+                    f"Ulysses, which drops the attention mask: {core} would attend causally over the whole row, so "
+                    "its samples would attend to each other. Load the model with "
                     "attn_implementation='packfree' and leave sp_attn_implementation unset (docs/distributed.md)"
                 )
         return ulysses(module, query, *args, **kwargs)

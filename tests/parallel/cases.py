@@ -16,6 +16,7 @@ import functools
 import os
 import socket
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -353,14 +354,55 @@ def run_on_ranks(cases: list[Case], out: str) -> dict[str, object]:
     """Run every case on its ranks (every case of one call on as many); ``{case.name: its Result, or the ValueError
     it raised}``. Raises AssertionError as soon as a rank fails (its traceback is on stderr), ending the others."""
     (world,) = {case.world for case in cases}
+    return spawn_ranks(_worker, world, cases, out)
+
+
+def spawn_ranks(worker: Callable[[int, int, int, list, str], None], world: int, runs: list, out: str) -> dict:
+    """Spawn ``worker(rank, world, port, runs, out)`` on ``world`` ranks (a module-level function that ends in
+    :func:`run_on_rank`); what rank 0 saved to ``out``. Raises AssertionError as soon as a rank fails (its traceback
+    is on stderr), ending the others."""
     context = mp.get_context("spawn")
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, world, port, cases, out)) for rank in range(world)]
+    processes = [context.Process(target=worker, args=(rank, world, port, runs, out)) for rank in range(world)]
     for process in processes:
         process.start()
-    codes = wait_for_ranks(processes, START_SECONDS + CASE_SECONDS * len(cases))  # the ranks' own limits come first
+    codes = wait_for_ranks(processes, START_SECONDS + CASE_SECONDS * len(runs))  # the ranks' own limits come first
     assert codes == [0] * world, f"ranks exited with {codes} (None: still running; tracebacks on stderr)"
     return torch.load(out, weights_only=False)
+
+
+SHARED_WORLD = 2
+SHARED: dict[str, tuple[Callable[[object, int, dict], object], object]] = {}
+"""Runs of one spawn of :data:`SHARED_WORLD` ranks shared by several test modules, by name: ``(run, item)``, where
+``run(item, rank, snapshot)`` is a module-level function (``snapshot``: transformers' attention functions as
+registered, for its undo). A module adds its runs when it is collected; :func:`shared_results` runs every one not yet
+run in one spawn (the imports on each rank cost most of a spawn), so a module run alone spawns for its own runs
+only."""
+_SHARED_RESULTS: dict[str, object] = {}
+
+
+def shared_results(names: list[str]) -> dict[str, object]:
+    """``{name: its result, or the ValueError it raised}`` for ``names`` (keys of :data:`SHARED`)."""
+    pending = [(name, *SHARED[name]) for name in SHARED if name not in _SHARED_RESULTS]
+    if any(name not in _SHARED_RESULTS for name in names):
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "results.pt")
+            _SHARED_RESULTS.update(spawn_ranks(_shared_worker, SHARED_WORLD, pending, out))
+    return {name: _SHARED_RESULTS[name] for name in names}
+
+
+def _shared_worker(rank: int, world: int, port: int, runs: list[tuple[str, Callable, object]], out: str) -> None:
+    """A rank of the shared spawn: packfree registered, DeepSpeed started on gloo, then each ``(name, run, item)``."""
+    start_rank(rank, world, port)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from packfree_plugin.loading.register import register
+    from packfree_plugin.parallel import init_deepspeed
+
+    register()
+    init_deepspeed("gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
+    snapshot = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    run_on_rank(rank, [(name, functools.partial(run, item, rank, snapshot)) for name, run, item in runs], out)
 
 
 def relative_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:

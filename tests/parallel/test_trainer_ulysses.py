@@ -55,6 +55,7 @@ class Run:
     padded: bool = False  # the collator pads rows (one per sample) instead of UlyssesRows (a refusal case)
     sp: int | None = None  # the sequence-parallel size (None: the world); the rest is data parallelism
     other: tuple[int, ...] | None = None  # the row of the second data-parallel group (with sp = world / 2)
+    disable_in_eval: bool = True  # accelerate's sp_disable_in_eval (False: eval stays sequence-parallel)
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ class Run:
         extra = [f"{key}={value}" for key, value in self.overrides]
         flags = [flag for flag, on in (("eval", self.evaluate), (f"stock={self.stock}", self.stock),
                                        (f"sp_attn={self.sp_attn}", self.sp_attn), (self.plant, self.plant),
-                                       ("padded", self.padded)) if on]
+                                       ("padded", self.padded), ("sp_eval", not self.disable_in_eval)) if on]
         return "/".join(parts + extra + flags)
 
     @property
@@ -129,7 +130,8 @@ def _trainer(run: Run, model: torch.nn.Module, output_dir: str):
 
     from packfree_plugin.integrations.deepspeed import UlyssesRows
 
-    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation=run.sp_attn, sp_allow_recurrent_layers=True)
+    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation=run.sp_attn, sp_allow_recurrent_layers=True,
+                                              sp_disable_in_eval=run.disable_in_eval)
     sp = run.sp or run.world
     parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_shard_size=run.world // sp,
                                     sp_handler=handler)
