@@ -166,8 +166,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     the command that replays it (``-q`` hides the header that names it)."""
     seed = getattr(config.option, "randomly_seed", None)
     if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int) and config.option.randomly_reorganize:
+        same_data = "" if config.option.randomly_reset_seed else "--randomly-dont-reset-seed "
         terminalreporter.write_line(f"random order: --randomly-seed={seed} (replay: nox -s random -- "
-                                    f"--randomly-seed={seed}, or pytest -p randomly --randomly-seed={seed})")
+                                    f"--randomly-seed={seed}, or pytest -p randomly {same_data}--randomly-seed={seed})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
