@@ -86,6 +86,7 @@ def main() -> None:
         if accelerator.is_main_process:
             print(f"step {step}: {args.samples_per_row} samples in one row over {world} "
                   f"rank{'s' * (world > 1)}, loss {total.item():.6f}", flush=True)
+    accelerator.end_training()  # ends the process groups before the interpreter's teardown (see trainer_sp.py)
 
 
 if __name__ == "__main__":

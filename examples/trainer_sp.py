@@ -92,6 +92,10 @@ def main() -> None:
                           data_collator=UlyssesRows(DataCollatorWithFlattening(), world, length=row_length),
                           callbacks=[PrintLoss()])
     trainer.train()
+    # End the process groups (the world's and DeepSpeed's) before the interpreter's teardown: a gloo worker thread
+    # still releasing a finished collective's tensors then needs the GIL, and exits the thread mid C++ frame:
+    # "terminate called without an active exception" (SIGABRT) after a good run
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
