@@ -82,13 +82,39 @@ def _foreign_modules(before: dict[str, Any]) -> list[str]:
     return leaked
 
 
+_PACKAGE_GLOBALS: dict[str, dict[str, Any]] = {}
+"""Each imported ``packfree_plugin`` module's globals (shallow copies), taken before the first test that finds the
+module imported: the package never rebinds a global itself, so they stay valid from test to test."""
+
+
+def _package_globals() -> dict[str, dict[str, Any]]:
+    """:data:`_PACKAGE_GLOBALS`, with the modules imported since the last call added."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("packfree_plugin") and name not in _PACKAGE_GLOBALS and isinstance(module, types.ModuleType):
+            _PACKAGE_GLOBALS[name] = dict(vars(module))
+    return _PACKAGE_GLOBALS
+
+
+def _rebound_globals(before: dict[str, dict[str, Any]]) -> list[str]:
+    """The package globals a test rebound or deleted without putting them back (a patch outside ``monkeypatch``);
+    each is put back."""
+    rebound = []
+    for name, names in before.items():
+        scope = vars(sys.modules[name]) if name in sys.modules else {}
+        for key in [key for key, value in names.items() if scope.get(key, _MISSING) is not value]:
+            rebound.append(f"{name}.{key}")
+            scope[key] = names[key]
+    return rebound
+
+
 @pytest.fixture(autouse=True)
 def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test starts from the same seeds (:data:`SEED`) and leaves what it found. Put back silently after each
     test: environment variables, torch's default dtype, thread count, grad, deterministic and anomaly modes. Put
     back, and the test fails: a non-empty boundary stack, packfree registered or unregistered, an entry of
     transformers' attention or mask registry or of packfree's ``CLASSES`` / ``ADAPTERS`` removed or replaced, a
-    ``sys.modules`` entry removed, swapped or faked (:func:`_foreign_modules`)."""
+    ``sys.modules`` entry removed, swapped or faked (:func:`_foreign_modules`), a global of a packfree module rebound
+    (:func:`_rebound_globals`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -103,6 +129,7 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     environ = dict(os.environ)
     modules = dict(sys.modules)
     torch_state = _torch_state()
+    package = _package_globals()
     registered = packfree_plugin.is_registered()
     registries = {"AttentionInterface": (AttentionInterface._global_mapping, dict(AttentionInterface._global_mapping)),
                   "AttentionMaskInterface": (AttentionMaskInterface._global_mapping,
@@ -125,6 +152,8 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
             leaks.append(f"{name} entries removed or replaced: {', '.join(lost)}")
     if foreign := _foreign_modules(modules):
         leaks.append(f"sys.modules entries removed, swapped or faked: {', '.join(foreign)}")
+    if rebound := _rebound_globals(package):
+        leaks.append(f"packfree globals rebound: {', '.join(rebound)}")
     changed = sorted(key for key in (environ.keys() | os.environ.keys()) - _PYTEST_OWN
                      if environ.get(key) != os.environ.get(key))
     for key in changed:
