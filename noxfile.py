@@ -118,6 +118,51 @@ def sweep(session: nox.Session) -> None:
     session.run("python", "-m", "tooling.sweep", *session.posargs)
 
 
+MUTMUT = "mutmut==3.8.1"
+MUTANTS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
+"""One OpenMP thread: mutmut forks a worker per mutant from a process that has run torch, and a forked OpenMP pool
+can hang."""
+MUTANTS_SAMPLE = "packfree_plugin.*[15]"
+"""What ``nox -s mutants`` runs by default: the mutants of every mutated function numbered 1, 5, 11, 15, 21, ...,
+a fifth of them (docs/testing.md says why and how long it takes)."""
+
+
+def _mutant_scores() -> None:
+    """Print, per mutated module, how its mutants checked ended (mutmut's ``mutants/*.meta``), then the survivors
+    and timeouts by name."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    outcome = {0: "survived", 1: "killed", 3: "killed", 5: "no tests", 33: "no tests", 36: "timeout", -24: "timeout",
+               24: "timeout", 152: "timeout", 255: "timeout"}
+    print(f"{'module':38} {'mutants':>8} {'checked':>8} {'killed':>7} {'survived':>9} {'timeout':>8} {'no tests':>9} "
+          f"{'other':>6}")
+    left: list[str] = []
+    for meta in sorted(Path("mutants").rglob("*.py.meta")):
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        counts = Counter(outcome.get(code, "other") for code in codes.values() if code is not None)
+        module = str(meta.relative_to("mutants")).removesuffix(".py.meta").replace("/", ".")
+        print(f"{module:38} {len(codes):>8} {sum(counts.values()):>8} {counts['killed']:>7} {counts['survived']:>9} "
+              f"{counts['timeout']:>8} {counts['no tests']:>9} {counts['other']:>6}")
+        left += [f"{outcome.get(code, 'other')}: {name}" for name, code in codes.items()
+                 if code is not None and outcome.get(code) not in ("killed", "no tests")]
+    print("\n".join(sorted(left)))
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Planted bugs (docs/testing.md): mutmut mutates the modules that decide correctness (``[tool.mutmut]`` in
+    pyproject.toml) and runs against each mutant the tests of its module that call the mutated function
+    (tests/mutants_plugin.py); prints the score per module and the survivors. Not in CI: run it before a stop that
+    changes those modules. ``nox -s mutants`` runs :data:`MUTANTS_SAMPLE`; ``-- "packfree_plugin.boundaries.*"``
+    one module, ``-- NAME`` one mutant, ``-- "*"`` all; ``mutmut show NAME`` (in .nox/mutants) prints a mutant."""
+    _install(session)
+    session.install(MUTMUT, TORCH)
+    session.run("mutmut", "run", "--max-children", "2", *(session.posargs or [MUTANTS_SAMPLE]), env=MUTANTS_ENV)
+    _mutant_scores()
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Speed and memory ratios against baselines measured in the same run (never asserted in tests), the
