@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import numpy
 import torch
 
-__all__ = ["Boundaries", "Seq2SeqBoundaries", "host_of", "id_starts", "keep_host", "kept_form", "memo", "read_to_host"]
+__all__ = ["Boundaries", "Seq2SeqBoundaries", "close_batch", "host_of", "id_starts", "keep_host", "kept_form", "memo", "read_to_host"]
 
 _Form = TypeVar("_Form")
 
@@ -59,16 +59,30 @@ def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
 
 _MEMO_ATTR = "_packfree_memo"
 _HOST_ATTR = "_packfree_host"
-_batches_read = [0]
-"""How many times :func:`read_to_host` ran: the stamp of what is kept on an inference tensor."""
+_open_batch: list[object | None] = [None]
+"""The batch the model entry read (:func:`read_to_host`) and whose forward runs, until :func:`close_batch`: the stamp
+of what is kept on the inference tensors it read. Only stored to at close, never read there, so a compiled forward
+that closes its batch guards on nothing."""
 
 
 def _stamp(tensor: torch.Tensor, *, own: bool = False) -> tuple:
-    """What must stay unchanged for a value kept on ``tensor`` to hold: its version; for an inference tensor (no
-    version counter), the batch read (``own``: a form the boundaries built, which nothing writes, holds for good)."""
+    """What must stay unchanged for a value kept on ``tensor`` to hold: its version. An inference tensor has no
+    version counter: a form the boundaries built (``own``), which nothing writes, holds for good; one the model entry
+    read holds while its forward runs (:func:`read_to_host` to :func:`close_batch`); any other (an op called
+    directly, a tensor read after its forward) holds for no later call, since an in-place write cannot be seen."""
     if not tensor.is_inference():
         return ("version", tensor._version)
-    return ("own",) if own else ("batch", _batches_read[0])
+    if own:
+        return ("own",)
+    batch = ("batch", _open_batch[0])
+    kept = tensor.__dict__.get(_HOST_ATTR)
+    return batch if batch[1] is not None and kept is not None and kept[0] == batch else ("unseen", object())
+
+
+def close_batch() -> None:
+    """End the batch the model entry read: what was kept on its inference tensors holds no longer (the caller may
+    refill them in place before the next forward or a direct op call)."""
+    _open_batch[0] = None
 
 
 def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build: Callable[[], _Form]) -> _Form:
@@ -77,9 +91,10 @@ def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build
 
     ``holder`` is a :class:`Boundaries` (its device forms, the portable attention's sample groups), or a boundary
     tensor every layer of a forward passes (``seq_idx`` / ``cu_seqlens`` given to an op directly; the value is
-    freed with it, and an in-place write, which bumps the tensor's version, makes it stale; on an inference tensor it
-    holds until the next batch is read). One value per name: a call with another ``key`` (a new chunk size, dtype or
-    length) builds and keeps its own in place of the old. A ``build`` that raises keeps nothing."""
+    freed with it, and an in-place write, which bumps the tensor's version, makes it stale; on an inference tensor,
+    which has no version, it holds only inside the forward whose entry read that tensor: :func:`_stamp`). One value
+    per name: a call with another ``key`` (a new chunk size, dtype or length) builds and keeps its own in place of
+    the old. A ``build`` that raises keeps nothing."""
     if isinstance(holder, Boundaries):
         store, stamp = holder._device_forms, key
     else:
@@ -102,9 +117,11 @@ def keep_host(tensor: torch.Tensor, values: numpy.ndarray) -> torch.Tensor:
     return _keep(tensor, values, own=True)
 
 
-def _keep(tensor: torch.Tensor, values: numpy.ndarray, *, own: bool) -> torch.Tensor:
+def _keep(tensor: torch.Tensor, values: numpy.ndarray, *, own: bool, batch: bool = False) -> torch.Tensor:
+    """Leave ``values`` on ``tensor``; ``batch``: the model entry read it for the batch now open."""
     values.flags.writeable = False
-    tensor.__dict__[_HOST_ATTR] = (_stamp(tensor, own=own), values)
+    stamp = ("batch", _open_batch[0]) if batch and tensor.is_inference() else _stamp(tensor, own=own)
+    tensor.__dict__[_HOST_ATTR] = (stamp, values)
     return tensor
 
 
@@ -126,7 +143,7 @@ def _kept_host(tensor: torch.Tensor) -> numpy.ndarray | None:
 def read_to_host(tensors: Iterable[torch.Tensor | None]) -> None:
     """Give every tensor of ``tensors`` its host copy (:func:`host_of`) in one device-to-host copy per device: the
     integer and bool tensors are read together, as one int64 buffer (a floating tensor is read on its own)."""
-    _batches_read[0] += 1
+    _open_batch[0] = object()
     pending: dict[int, torch.Tensor] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and _kept_host(tensor) is None and id(tensor) not in pending:
@@ -134,17 +151,17 @@ def read_to_host(tensors: Iterable[torch.Tensor | None]) -> None:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in pending.values():
         if tensor.is_floating_point() or tensor.is_complex():
-            host_of(tensor)
+            _keep(tensor, tensor.detach().to("cpu").numpy(), own=False, batch=True)
         else:
             by_device.setdefault(tensor.device, []).append(tensor)
     for group in by_device.values():
         if len(group) == 1:
-            host_of(group[0])
+            _keep(group[0], group[0].detach().to("cpu").numpy(), own=False, batch=True)
             continue
         buffer = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in group]).to("cpu").numpy()
         for tensor, values in zip(group, numpy.split(buffer, numpy.cumsum([t.numel() for t in group])[:-1])):
             dtype = numpy.dtype(str(tensor.dtype).removeprefix("torch."))
-            _keep(tensor, values.astype(dtype).reshape(tuple(tensor.shape)), own=False)
+            _keep(tensor, values.astype(dtype).reshape(tuple(tensor.shape)), own=False, batch=True)
 
 
 class Boundaries:

@@ -199,3 +199,23 @@ def test_inference_tensors_refilled_in_place_run_the_new_batch(model_type: str, 
         fresh = step(model, packed_batch("B", form, labels=labels), backward=False)
     _compare(refilled, fresh, atol=FRESH_TOLERANCE, what=f"{model_type}/{form}: refilled against fresh tensors")
     _compare_with_alone(refilled, model_type, labels, backward=False, what=f"{model_type}/{form}")
+
+
+def test_an_inference_buffer_read_by_a_forward_holds_nothing_after_it() -> None:
+    """A ``seq_idx`` inference tensor read by a Mamba2 forward (with labels: a real host copy), refilled in place after
+    that forward and handed to an op directly: the op runs the new layout, not what the forward read."""
+    from packfree_plugin.ops.conv import causal_conv1d, naive_causal_conv1d
+
+    model, _ = shared_pair("mamba2")
+    generator = torch.Generator().manual_seed(3)
+    x, weight = (torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in ((2, 16, 8), (8, 4)))
+    with torch.inference_mode():
+        buffers = packed_batch("A", "seq_idx", labels=True)
+        step(model, buffers, backward=False)
+        buffers["seq_idx"].copy_(packed_batch("B", "seq_idx", labels=False)["seq_idx"])
+        refilled = causal_conv1d(x, weight, None, seq_idx=buffers["seq_idx"], backend="torch")
+        fresh = causal_conv1d(x, weight, None, seq_idx=packed_batch("B", "seq_idx", labels=False)["seq_idx"],
+                              backend="torch")
+        naive = naive_causal_conv1d(x, weight, None, seq_idx=packed_batch("B", "seq_idx", labels=False)["seq_idx"])
+    assert_close(refilled, fresh, atol=FRESH_TOLERANCE, rtol=0, what="refilled after a forward against fresh")
+    assert_close(refilled, naive, what="refilled after a forward against the naive reference")

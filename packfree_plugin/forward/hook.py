@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries, close_batch
 from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
                       pop, push, push_unless_on_top)
 from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
@@ -116,6 +116,8 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     finally:
         if pushed:
             pop()
+        if not in_prepared_forward():
+            close_batch()
 
 
 def has_entry(model: nn.Module) -> bool:

@@ -32,7 +32,7 @@ from packfree_plugin.ops.lru import linear_recurrence, naive_linear_recurrence
 from packfree_plugin.ops.selective_scan import naive_selective_scan, selective_scan, selective_scan_chunked
 from packfree_plugin.ops.selective_scan import fast as scan_fast
 from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan, ssd_chunked
-from tests.ops.harness import F64, assert_same_grads, cu_seqlens_of, seq_idx_of
+from tests.ops.harness import F64, assert_close, assert_same_grads, cu_seqlens_of, seq_idx_of
 
 ROWS = {"A": [[5, 3, 8], [2, 9, 5]], "B": [[8, 1, 7], [6, 6, 4]]}
 """``seq_idx [2, 16]`` layouts: no sample start in common but the rows' (lengths around the tiny chunk sizes)."""
@@ -307,3 +307,25 @@ def test_a_refill_that_breaks_the_contract_is_refused(name: str, monkeypatch: py
         buffer.copy_(broken)
         with pytest.raises(ValueError, match="non-decreasing"):
             case.run(inputs, {case.kind: buffer})
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_inference_boundary_tensor_refilled_in_place_gives_the_new_layout(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.inference_mode`` the boundary tensor has no version counter, so no write can be seen: an op
+    called directly keeps nothing on it from one call to the next. Layout A, the tensor refilled with layout B: equal
+    to a fresh tensor of B and to the naive reference on B."""
+    case = CASES[name]
+    inputs = _applied(case, monkeypatch)
+    with torch.inference_mode():
+        buffer = boundary_tensor(case.kind, "A")
+        assert buffer.is_inference()
+        case.run(inputs, {case.kind: buffer})
+        buffer.copy_(boundary_tensor(case.kind, "B"))
+        refilled = case.run(inputs, {case.kind: buffer})
+        fresh = case.run(inputs, {case.kind: boundary_tensor(case.kind, "B")})
+        reference = {"cu_seqlens": boundary_tensor("cu_seqlens", "B")} if case.naive_takes == "cu_seqlens" else \
+            {"seq_idx": per_token_ids(case.kind, "B")}
+        naive = case.naive(inputs, reference)
+    assert_close(refilled, fresh, f"{name}: refilled against a fresh tensor", atol=1e-12, rtol=0)
+    assert_close(refilled, naive, f"{name}: refilled against the naive reference")
