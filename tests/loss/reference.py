@@ -65,11 +65,11 @@ def per_row_losses(logits: torch.Tensor, labels: torch.Tensor, samples: Samples,
         targets, predicting = labels[row, 1:], logits[row, :-1]
         kept = targets != -100
         losses = F.cross_entropy(predicting[kept].to(torch.float64), targets[kept], reduction="none")
-        if weighting == "token":
+        if weighting in ("token", "both"):
             weights = torch.tensor(samples.token_weights[row], dtype=torch.float64)
             padded = torch.cat([weights, weights.new_zeros(labels.shape[1] - len(weights))])
             losses = losses * padded[1:][kept]
-        elif weighting == "sample":
+        if weighting in ("sample", "both"):
             losses = losses * samples.sample_weights[row]
         sums.append(losses.sum())
         counts.append(int(kept.sum()))
