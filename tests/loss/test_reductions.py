@@ -17,6 +17,7 @@ from packfree_plugin import loss as loss_module
 from tests.conftest import CountingBackend, assert_close
 from tests.helpers import fresh_pair
 from tests.loss.reference import REDUCTIONS, WEIGHTINGS, Samples, reference_loss
+from tests.test_host_reads import HostReads
 
 LENGTHS = [6, 1, 9, 4, 7, 3]  # the 1-token sample has no target: left out of the per-sample mean, NaN in "none"
 BUDGET, ROWS = 12, 3  # 30 tokens in 3 rows of 12: several samples per row, padded tails
@@ -203,6 +204,16 @@ def test_weights_of_the_wrong_shape_are_refused() -> None:
                               (torch.ones(3, 12, dtype=torch.int64), "of torch.int64")):
         with pytest.raises(ValueError, match=expected):
             packed_loss(outputs, batch["labels"], token_weights=weights)
+
+
+def test_the_reductions_read_nothing_back_from_the_device() -> None:
+    """Every reduction from the outputs (boundaries and both weights as the forward left them), and the backward of a
+    mix of them all, hand no tensor value to Python: no synchronisation on a GPU."""
+    _, _, _, packed, outputs, _, _ = _forwards("llama")
+    with HostReads() as reads:
+        losses = {reduction: packed_loss(outputs, packed["labels"], reduction=reduction) for reduction in REDUCTIONS}
+        torch.autograd.grad(_mix(losses, Samples.packed_order(LENGTHS, BUDGET)), outputs.logits, retain_graph=True)
+    assert reads.total == 0, reads.where
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
