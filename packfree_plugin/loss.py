@@ -80,9 +80,9 @@ def packed_loss(outputs: Any, labels: torch.Tensor | None = None, *, reduction: 
         raise ValueError(
             f'reduction="{reduction}" needs the batch\'s sample boundaries: pass batch= (the batch the model was '
             'called with), boundaries=, or the outputs of a model packfree prepared (attn_implementation="packfree")')
-    targets, shifted = _targets(labels, shift_labels, logits)
-    layout = TargetLayout.of(boundaries, targets, shifted=shifted, ignore_index=ignore_index)
-    losses = _token_losses(logits, targets, shifted=shifted, ignore_index=ignore_index)
+    targets, shifted = _targets(labels, shift_labels, logits, ignore_index)
+    layout = TargetLayout.of(boundaries, targets, ignore_index=ignore_index)
+    losses = _token_losses(logits, targets, ignore_index=ignore_index)
     weight = _weight({"token_weights": token_weights, "sample_weights": sample_weights}, targets, shifted=shifted,
                      dtype=losses.dtype)
     weighted = losses * layout.kept if weight is None else losses * weight * layout.kept
@@ -173,8 +173,7 @@ def count_samples(batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX)
     targets = shift_labels if shift_labels is not None else batch.get("labels")
     if not isinstance(targets, torch.Tensor) or targets.ndim != 2:
         raise ValueError("count_samples needs a batch with labels [B, T] or shift_labels [B, T]")
-    shifted = shift_labels is not None
-    layout = TargetLayout.of(_read(batch), targets if shifted else targets[:, 1:], shifted=shifted,
+    layout = TargetLayout.of(_read(batch), targets if shift_labels is not None else _shifted(targets, IGNORE_INDEX),
                              ignore_index=ignore_index)
     return (layout.segment_counts().gt(0) & ~layout.padding).sum()
 
@@ -195,8 +194,8 @@ class TargetLayout:
     """Where a batch's targets sit: which segment (sample or padding span) each belongs to and which count.
 
     Attributes:
-        kept: ``[B, L]`` bool, the targets that count (not ``ignore_index``, not crossing into another sample).
-        segments: ``[B, L]`` int64, the segment of each target (:attr:`Boundaries.seq_idx` numbering).
+        kept: ``[B, T]`` bool, the targets that count (not ``ignore_index``, not crossing into another sample).
+        segments: ``[B, T]`` int64, the segment of each target (:attr:`Boundaries.seq_idx` numbering).
         padding: ``[N]`` bool, the padding spans among the ``N`` segments (on the targets' device).
         samples: ``[S]`` int64, the segments that are samples, in order (on the targets' device).
         group: the sequence-parallel group whose shards hold the rows' other targets, or None.
@@ -207,11 +206,10 @@ class TargetLayout:
         self.kept, self.segments, self.padding, self.samples, self.group = kept, segments, padding, samples, group
 
     @classmethod
-    def of(cls, boundaries: Boundaries | None, targets: torch.Tensor, *, shifted: bool,
-           ignore_index: int) -> TargetLayout:
-        """The layout of ``targets`` (``[B, T - 1]`` labels of tokens ``1..T-1``, or ``[B, T]`` ``shift_labels``)
-        on rows ``boundaries`` describe (None: one sample per row). Built from the boundaries' host offset tensors
-        with device ops: no device read, and traceable by ``torch.compile`` (the offsets are graph data)."""
+    def of(cls, boundaries: Boundaries | None, targets: torch.Tensor, *, ignore_index: int) -> TargetLayout:
+        """The layout of ``targets [B, T]`` (what each token predicts: ``shift_labels``) on rows ``boundaries``
+        describe (None: one sample per row). Built from the boundaries' host offset tensors with device ops: no
+        device read, and traceable by ``torch.compile`` (the offsets are graph data)."""
         batch_size, length = targets.shape
         device = targets.device
         if boundaries is None:
@@ -219,10 +217,9 @@ class TargetLayout:
             every = torch.arange(batch_size, device=device)
             return cls(targets != ignore_index, segments, torch.zeros(batch_size, dtype=torch.bool, device=device),
                        every, None)
-        if not boundaries.describes(batch_size, length + (not shifted)):
-            rows = [batch_size, length + (not shifted)]
-            raise ValueError(f"the {'shift_labels' if shifted else 'labels'} are {rows} but the boundaries describe "
-                             f"rows [{boundaries.batch_size}, {boundaries.seq_len}]; pass the batch's own")
+        if not boundaries.describes(batch_size, length):
+            raise ValueError(f"the labels are [{batch_size}, {length}] but the boundaries describe rows "
+                             f"[{boundaries.batch_size}, {boundaries.seq_len}]; pass the batch's own")
         shard = boundaries.sequence_shard
         whole = boundaries if shard is None else shard.whole
         offsets = whole.host_offsets.to(device)
@@ -256,20 +253,20 @@ class TargetLayout:
         return counts
 
     def segment_means(self, weighted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([N], [N])``: each segment's sum of ``weighted [B, L]`` over its number of targets (0 without any; on a
+        """``([N], [N])``: each segment's sum of ``weighted [B, T]`` over its number of targets (0 without any; on a
         shard this shard's share), and whether it is a sample with targets."""
         counts = self.segment_counts()
         return self._per_segment(weighted) / counts.clamp(min=1).to(weighted.dtype), (counts > 0) & ~self.padding
 
     def _per_segment(self, values: torch.Tensor) -> torch.Tensor:
-        """``values [B, L]`` summed by segment: ``[N]`` (one segment reduction)."""
+        """``values [B, T]`` summed by segment: ``[N]`` (one segment reduction)."""
         return values.new_zeros(self.padding.shape[0]).index_add(0, self.segments.reshape(-1), values.reshape(-1))
 
 
-def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
-             logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(targets, shifted)``: ``shift_labels [B, T]`` where given (as transformers' loss reads them), else ``labels
-    [B, T]``' tokens ``1..T-1``."""
+def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, logits: torch.Tensor,
+             ignore_index: int) -> tuple[torch.Tensor, bool]:
+    """``(targets [B, T], given shifted)``: what each token predicts, ``shift_labels`` where given (as transformers'
+    loss reads them), else ``labels`` shifted left by one (the labels move, not the logits: no copy of them)."""
     rows = tuple(logits.shape[:2])
     for name, value in (("shift_labels", shift_labels), ("labels", labels)):
         if value is None:
@@ -277,28 +274,27 @@ def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != rows:
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{name} has shape {shape} but the logits' rows are {list(rows)}; pass {name} [B, T]")
-        return (value, True) if name == "shift_labels" else (value[:, 1:], False)
+        return (value, True) if name == "shift_labels" else (_shifted(value, ignore_index), False)
     raise ValueError("the loss needs labels [B, T] (or shift_labels [B, T]); got neither")
 
 
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor, *, shifted: bool, ignore_index: int) -> torch.Tensor:
-    """``[B, L]`` cross-entropy of every target (0 where ``ignore_index``), in float32 or the logits' wider dtype."""
-    predicting = logits if shifted else logits[:, :-1]
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    flat = predicting.reshape(-1, predicting.shape[-1]).to(dtype)
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
+    """``[B, T]`` cross-entropy of every target (0 where ``ignore_index``), in float32 or the logits' wider dtype."""
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
     losses = F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="none")
     return losses.view(targets.shape)
 
 
 def _weight(weights: dict[str, torch.Tensor | None], targets: torch.Tensor, *, shifted: bool,
             dtype: torch.dtype) -> torch.Tensor | None:
-    """``[B, L]``: the product of the weights given (each ``[B, T]``, laid out like the labels read), or None."""
+    """``[B, T]``: the product of the weights given (each ``[B, T]``, laid out like the labels read, ``shifted``
+    with them), or None."""
     product = None
     for name in LOSS_WEIGHT_KWARGS:
         value = weights.get(name)
         if value is None:
             continue
-        rows = (targets.shape[0], targets.shape[1] + (not shifted))
+        rows = tuple(targets.shape)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != rows or not value.is_floating_point():
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(
@@ -306,9 +302,14 @@ def _weight(weights: dict[str, torch.Tensor | None], targets: torch.Tensor, *, s
                 f"{list(rows)}, got {shape}" + (f" of {value.dtype}" if isinstance(value, torch.Tensor) else "")
                 + "; lay each sample's weights out on its tokens as its labels are (packfree's collators and "
                 "packfree_plugin.packing.WithLossWeights do)")
-        value = (value if shifted else value[:, 1:]).to(device=targets.device, dtype=dtype)
+        value = (value if shifted else _shifted(value, 0)).to(device=targets.device, dtype=dtype)
         product = value if product is None else product * value
     return product
+
+
+def _shifted(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """``values [B, T]`` moved left by one token, ``fill`` at each row's end: labels as ``shift_labels``."""
+    return torch.cat([values[:, 1:], values.new_full((values.shape[0], 1), fill)], dim=1)
 
 
 def _on(count: int | torch.Tensor, like: torch.Tensor) -> torch.Tensor | int:
