@@ -5,9 +5,9 @@ A causal LM's next-token cross-entropy, reduced by the batch's :class:`~packfree
 
 - ``"token"`` (transformers' default): the weighted token losses summed over the number of targets
   (``num_items_in_batch`` where given: the whole accumulated batch's);
-- ``"sample"``: each sample's weighted token losses summed over its own number of targets, then summed over the
-  number of samples that have a target (``num_samples_in_batch`` where given), so long samples do not outweigh short
-  ones;
+- ``"sample"``: each sample's mean (its weighted token losses summed, over its own number of targets), these means
+  summed over the number of samples that have a target (``num_samples_in_batch`` where given), so long samples do not
+  outweigh short ones;
 - ``"none"``: ``[S]``, one loss per sample (the ``"sample"`` means, NaN for a sample without targets), in the
   batch's sample order (row after row).
 
@@ -18,7 +18,7 @@ token, ``sample_weights`` a sample's weight on each of its tokens (how the colla
 A target belongs to the sample of the token it names (a left-padded row's first token, predicted from padding,
 belongs to its row's sample, as stock counts it); a target that a packed row's previous sample predicts (its label
 at a sample's first token is not -100) belongs to no sample alone and is dropped. One segment reduction
-(``index_add`` on the sample index) per reduction: no host read, no loop over samples, O(tokens) memory. On a
+(``index_add`` on each target's segment) per reduction: no host read, no loop over samples, O(tokens) memory. On a
 sequence-parallel shard (:func:`packfree_plugin.parallel.shard_batch`) the counts are summed over the shard's group
 before any mean, so each rank's loss is its share and the shares sum to one process's loss.
 """
@@ -121,7 +121,7 @@ class PackedLoss:
             raise ValueError(
                 "PackedLoss reads the batch's boundaries and loss weights from the forward of a model packfree "
                 'prepared (attn_implementation="packfree", or packfree_plugin.apply); these outputs come from another '
-                "forward (a model packfree did not prepare, a compiled forward, or DDP rebuilt them after another). "
+                "forward (a model packfree did not prepare, a compiled one without weights, or DDP rebuilt them). "
                 "Call packfree_plugin.packed_loss(outputs, labels, batch=...) with the batch instead")
         num_samples = None
         if self.reduction == "sample" and num_items_in_batch is not None:

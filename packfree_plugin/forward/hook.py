@@ -52,7 +52,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
                       pop, push, push_unless_on_top)
 from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
-from .loss_inputs import keep_loss_inputs, take_loss_weights
+from .loss_inputs import keep_loss_inputs, keep_outside_graph, take_loss_weights
 from .reading import boundaries_for_call, tokens_of
 from .rope_ids import check_rope_ids
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
@@ -120,6 +120,8 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             _own_forward(model)(*args, **kwargs)
         if outermost and not torch.compiler.is_compiling():
             keep_loss_inputs(output, current(), _call_tokens(args, kwargs), weights, kwargs)
+        elif outermost and weights:  # compiled: only for weights, which would be lost (a graph break)
+            keep_outside_graph(output, current(), _call_tokens(args, kwargs), weights, kwargs)
         return output
     finally:
         if pushed:

@@ -6,8 +6,9 @@ The model entry (:func:`.hook.model_forward`) of the outermost prepared forward 
 them, and after the call leaves one :class:`LossInputs` on the output (attribute ``packfree_loss_inputs``) and as this
 thread's latest. A loss reads the output's; DDP with ``find_unused_parameters=True`` (the ``Trainer``'s default
 without gradient checkpointing) rebuilds the output and clones its tensors, and the loss then takes the thread's
-latest, but only for the logits that forward made (:meth:`LossInputs.made`). Compiled forwards keep nothing: a loss
-of compiled logits is handed its boundaries.
+latest, but only for the logits that forward made (:meth:`LossInputs.made`). A compiled forward keeps them only when
+it is given loss weights (:func:`keep_outside_graph`: one graph break at its end); else a loss of compiled logits is
+handed its boundaries.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from ..boundaries import Boundaries
 from .keywords import LOSS_WEIGHT_KWARGS
 
-__all__ = ["LossInputs", "keep_loss_inputs", "loss_inputs_of", "take_loss_weights"]
+__all__ = ["LossInputs", "keep_loss_inputs", "keep_outside_graph", "loss_inputs_of", "take_loss_weights"]
 
 OUTPUT_ATTRIBUTE = "packfree_loss_inputs"
 
@@ -90,6 +91,10 @@ def keep_loss_inputs(output: Any, boundaries: Boundaries | None, tokens: Any, we
         setattr(output, OUTPUT_ATTRIBUTE, inputs)
     except (AttributeError, TypeError):  # a tuple (return_dict=False): the thread's latest holds it
         pass
+
+
+keep_outside_graph = torch.compiler.disable(keep_loss_inputs)
+""":func:`keep_loss_inputs` for a compiled forward given loss weights, run outside its graph."""
 
 
 def loss_inputs_of(outputs: Any, logits: torch.Tensor) -> LossInputs | None:

@@ -236,3 +236,17 @@ def test_the_reductions_compile_without_graph_breaks(reduction: str) -> None:
         arguments = (logits, batch["labels"], batch["sample_weights"], boundaries)
         torch.testing.assert_close(compiled(*arguments), loss(*arguments), equal_nan=True)
     assert backend.runs == 4 and backend.compiled <= 2, (backend.compiled, backend.runs)
+
+
+def test_loss_weights_reach_the_loss_from_a_compiled_forward() -> None:
+    """A compiled forward given loss weights keeps them (outside its graph), with the boundaries it read."""
+    model, _ = fresh_pair("llama")
+    batch = Samples.drawn([5, 3, 4]).packed("both", 8, 2)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")(**inputs)
+    eager = model(**inputs)
+    assert set(compiled.packfree_loss_inputs.weights) == {"token_weights", "sample_weights"}
+    for reduction in REDUCTIONS:
+        torch.testing.assert_close(packed_loss(compiled, batch["labels"], reduction=reduction),
+                                   packed_loss(eager, batch["labels"], reduction=reduction), equal_nan=True)
