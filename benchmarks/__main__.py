@@ -25,6 +25,7 @@ SUITES = {
     "DPO and GRPO scoring steps (GSM8K, TRL's fused LM head)": "benchmarks.rl",
     "sentence-transformers encode (MiniLM, GSM8K)": "benchmarks.sentence_embeddings",
     "compiled training step (inductor)": "benchmarks.compiled",
+    "the loss on packed rows (per-sample mean, weights) vs the token mean": "benchmarks.loss",
     "load-time gate": "benchmarks.gate_cost",
     "one packed row over 4 ranks (Ulysses)": "benchmarks.sequence_parallel",
     "speed targets (issue 34)": "benchmarks.speed_targets",

@@ -12,7 +12,7 @@ FLOORS = (  # bottom first, by subpackage of packfree_plugin (docs/layout.md)
     {"forward"},
     {"attention"},
     {"adapters"},
-    {"parallel", "packing", "integrations"},
+    {"parallel", "packing", "integrations", "loss"},
     {"gate"},
     {"loading"},
     {"cli", "__init__", "__main__"},

@@ -13,7 +13,9 @@ call all run the same steps, in this order:
 3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`,
    :mod:`packfree_plugin.adapters.task_heads`), else the
    model's own forward (one set on the instance before packfree's, such as accelerate's hooks, else its class's);
-4. **leave**: pop what enter pushed, if anything, even when a step or the forward raised.
+4. **leave**: the outermost entry leaves the batch's boundaries and loss weights (taken out of the call before
+   enter) on the output for :mod:`packfree_plugin.loss` (:mod:`.loss_inputs`); pop what enter pushed, if anything,
+   even when a step or the forward raised.
 
 ``inspect.signature(model.forward)`` is the model's own forward's (Trainer's column filter and ``generate`` read
 it). The class's ``forward`` is never patched, so a stock model of the same class (the gate's twin) runs untouched;
@@ -50,6 +52,7 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries, close_batch
 from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
                       pop, push, push_unless_on_top)
 from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
+from .loss_inputs import keep_loss_inputs, keep_outside_graph, take_loss_weights
 from .reading import boundaries_for_call, tokens_of
 from .rope_ids import check_rope_ids
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
@@ -102,7 +105,10 @@ def _own_forward(model: nn.Module) -> Callable:
 
 
 def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward of every prepared model (the steps of the module docstring)."""
+    """The forward of every prepared model (the steps of the module docstring); the outermost one takes the batch's
+    loss weights out of the call and leaves them, with its boundaries, on the output (:mod:`.loss_inputs`)."""
+    outermost = not in_prepared_forward()
+    weights = take_loss_weights(kwargs) if outermost else {}
     args, kwargs, pushed = enter_model(model, args, kwargs)
     try:
         for step in model.__dict__.get(_STEPS, ()):
@@ -110,9 +116,13 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if changed is not None:
                 args, kwargs = changed
         call = model.__dict__.get(_CALL)
-        if call is not None:
-            return call(model, _own_forward(model), *args, **kwargs)
-        return _own_forward(model)(*args, **kwargs)
+        output = call(model, _own_forward(model), *args, **kwargs) if call is not None else \
+            _own_forward(model)(*args, **kwargs)
+        if outermost and not torch.compiler.is_compiling():
+            keep_loss_inputs(output, current(), _call_tokens(args, kwargs), weights, kwargs)
+        elif outermost and weights:  # compiled: only for weights, which would be lost (a graph break)
+            keep_outside_graph(output, current(), _call_tokens(args, kwargs), weights, kwargs)
+        return output
     finally:
         if pushed:
             pop()

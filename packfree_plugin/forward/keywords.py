@@ -3,7 +3,8 @@ packed batch passes, and the arguments under which a call carries a cache. Every
 
 from __future__ import annotations
 
-__all__ = ["ATTN_IMPLEMENTATION", "BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "PACKFREE_KWARGS", "PACKING_KWARGS"]
+__all__ = ["ATTN_IMPLEMENTATION", "BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "LOSS_WEIGHT_KWARGS", "PACKFREE_KWARGS",
+           "PACKING_KWARGS"]
 
 ATTN_IMPLEMENTATION = "packfree"
 """The name packfree registers with transformers: ``from_pretrained(..., attn_implementation="packfree")``."""
@@ -25,3 +26,8 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params", "state", "layer_p
 """Arguments under which a model or a layer is passed a cache: ``past_key_values`` (attention), ``cache_params``
 (Mamba-style mixers), ``cache``, ``state`` (RWKV), ``layer_past`` (older attention layers). Read in this order: the
 first one given is the call's cache."""
+
+LOSS_WEIGHT_KWARGS = ("token_weights", "sample_weights")
+"""The loss-weight fields a batch may carry (``[B, T]`` floats in the layout of the targets the loss reads):
+packfree's model entry takes them out of the call (the model's own forward never sees them) and leaves them, with the
+batch's boundaries, for :mod:`packfree_plugin.loss` (:mod:`.loss_inputs`)."""

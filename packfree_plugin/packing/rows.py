@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .weights import SAMPLE_WEIGHTS, TOKEN_WEIGHTS, check_all_or_none, weights_of
+
 __all__ = [
     "PackedCollator",
     "TokenBudgetBatchSampler",
@@ -222,6 +224,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             yield [order[p] for p in positions]
 
 
+_Sample = tuple[list[int], list[int] | None, tuple[list[float] | None, float | None]]
+"""A sample's input_ids, labels (or None), and token weights and sample weight (:func:`.weights.weights_of`)."""
+
+
 def _as_int_list(value: Any, what: str) -> list[int]:
     if hasattr(value, "tolist"):
         value = value.tolist()
@@ -267,7 +273,10 @@ class PackedCollator:
         truncate: keyword-only; cut samples longer than ``max_tokens`` to ``max_tokens`` instead of raising.
 
     Features are mappings with ``input_ids`` (list, tensor or array of ints) and optional ``labels`` of the
-    same length (all features or none). Empty samples are dropped, as ``DataCollatorWithFlattening`` does.
+    same length (all features or none). Empty samples are dropped, as ``DataCollatorWithFlattening`` does. Loss
+    weights (all features or none, :mod:`.weights`): a feature's ``token_weights`` (one per token) and
+    ``sample_weight`` (one number) come out as ``token_weights`` / ``sample_weights [B, T]`` float32, on its tokens
+    (0 on padding), for :mod:`packfree_plugin.loss`.
     """
 
     def __init__(
@@ -303,11 +312,15 @@ class PackedCollator:
         self.truncate = truncate
         self.position_ids_start = position_ids_start
 
-    def _samples(self, features: Sequence[Mapping[str, Any]]) -> list[tuple[list[int], list[int] | None]]:
+    def _samples(self, features: Sequence[Mapping[str, Any]]) -> list[_Sample]:
+        """``(input_ids, labels or None, loss weights)`` of every non-empty feature, validated."""
         if isinstance(features, Mapping) or not isinstance(features, Sequence) or len(features) == 0:
             raise ValueError(f"features must be a non-empty list of mappings, got {type(features).__name__}")
         with_labels = None
-        samples: list[tuple[list[int], list[int] | None]] = []
+        samples: list[_Sample] = []
+        weights = [weights_of(feature, i) if isinstance(feature, Mapping) and "input_ids" in feature else (None, None)
+                   for i, feature in enumerate(features)]
+        check_all_or_none(weights)
         for i, feature in enumerate(features):
             if not isinstance(feature, Mapping) or "input_ids" not in feature:
                 raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {feature!r:.80}")
@@ -330,15 +343,17 @@ class PackedCollator:
                     )
                 ids = ids[: self.max_tokens]
                 labels = None if labels is None else labels[: self.max_tokens]
+            token_weights, sample_weight = weights[i]
             if ids:
-                samples.append((ids, labels))
+                samples.append((ids, labels, (None if token_weights is None else token_weights[:len(ids)],
+                                              sample_weight)))
         if not samples:
             raise ValueError("PackedCollator received a batch where every example is empty")
         return samples
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         samples = self._samples(features)
-        lengths = [len(ids) for ids, _ in samples]
+        lengths = [len(ids) for ids, _, _ in samples]
         if self.rows_per_batch == 1:
             if self.max_tokens is not None and sum(lengths) > self.max_tokens:
                 raise ValueError(f"batch holds {sum(lengths)} tokens > max_tokens={self.max_tokens}")
@@ -360,14 +375,18 @@ class PackedCollator:
         position_ids: list[list[int]] = []
         seq_idx: list[list[int]] = []
         mask: list[list[int]] = []
+        weights: dict[str, list[list[float]]] = {TOKEN_WEIGHTS: [], SAMPLE_WEIGHTS: []}
         segments: list[int] = []
         for row in rows:
+            r_weights: dict[str, list[float]] = {TOKEN_WEIGHTS: [], SAMPLE_WEIGHTS: []}
             r_ids: list[int] = []
             r_labels: list[int] = []
             r_pos: list[int] = []
             r_seq: list[int] = []
             for i in row:
-                ids, own_labels = samples[i]
+                ids, own_labels, (token_weights, sample_weight) = samples[i]
+                r_weights[TOKEN_WEIGHTS] += token_weights or []
+                r_weights[SAMPLE_WEIGHTS] += [] if sample_weight is None else [sample_weight] * len(ids)
                 r_ids += ids
                 r_labels += [self.label_pad] + (ids if own_labels is None else own_labels)[1:]
                 r_pos += range(self.position_ids_start, self.position_ids_start + len(ids))
@@ -381,6 +400,8 @@ class PackedCollator:
                 r_pos += range(self.position_ids_start, self.position_ids_start + pad)
                 r_seq += [len(segments)] * pad
                 segments.append(pad)
+            for name, values in r_weights.items():
+                weights[name].append(values + [0.0] * (row_len - len(values)))
             input_ids.append(r_ids)
             labels.append(r_labels)
             position_ids.append(r_pos)
@@ -397,6 +418,9 @@ class PackedCollator:
             batch["seq_idx"] = torch.tensor(seq_idx, dtype=torch.int32)
         if self.rows_per_batch > 1 and any(0 in m for m in mask):
             batch["attention_mask"] = torch.tensor(mask, dtype=torch.int64)
+        for name, present in zip((TOKEN_WEIGHTS, SAMPLE_WEIGHTS), check_all_or_none([s[2] for s in samples])):
+            if present:
+                batch[name] = torch.tensor(weights[name], dtype=torch.float32)
         if self.return_flash_attn_kwargs:
             cu = [0]
             for length in segments:

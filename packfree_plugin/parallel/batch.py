@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..forward.reading import check_labels
 from ..boundaries import Boundaries
-from ..forward.keywords import BOUNDARY_KWARGS
+from ..forward.keywords import BOUNDARY_KWARGS, LOSS_WEIGHT_KWARGS
 
 __all__ = ["shard_batch", "shard_loss"]
 
@@ -27,7 +27,10 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, c
     one *before* sharding (so a shard's last token predicts the next shard's first, and a sample's last token predicts
     nothing: its next label is the -100 at the next sample's start); otherwise the labels. A causal target that
     crosses into the next sample is refused, as the model refuses it on a whole row. Pass ``inputs`` to the model and
-    ``targets`` to :func:`shard_loss`."""
+    ``targets`` to :func:`shard_loss`, or to :func:`packfree_plugin.packed_loss` as ``shift_labels`` (any reduction).
+    The batch's loss weights (``token_weights`` / ``sample_weights [B, T]``, laid out like its labels) are shifted and
+    sharded as the labels are and passed in ``inputs``: the model's entry takes them out and leaves them for the
+    loss."""
     tokens = batch["input_ids"]
     batch_size, seq_len = tokens.shape
     whole = Boundaries.from_model_inputs(batch_size=batch_size, seq_len=seq_len, device=tokens.device,
@@ -44,15 +47,20 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, c
     if causal:
         check_labels({"shift_labels" if shift_labels is not None else "labels": labels}, whole)
     pad = -seq_len % world_size
+    weights = {name: batch[name] for name in LOSS_WEIGHT_KWARGS if batch.get(name) is not None}
     if causal and shift_labels is None:
         labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), IGNORE)], dim=1)
+        weights = {name: torch.cat([value[:, 1:], value.new_zeros(batch_size, 1)], dim=1)
+                   for name, value in weights.items()}
     if pad:
         tokens = torch.cat([tokens, tokens.new_full((batch_size, pad), pad_token_id)], dim=1)
         position_ids = torch.cat([position_ids, _filler_positions(position_ids, pad)], dim=1)
         labels = torch.cat([labels, labels.new_full((batch_size, pad), IGNORE)], dim=1)
+        weights = {name: torch.cat([value, value.new_zeros(batch_size, pad)], dim=1) for name, value in weights.items()}
     width = (seq_len + pad) // world_size
     mine = slice(rank * width, (rank + 1) * width)
     inputs = {"input_ids": tokens[:, mine], "position_ids": position_ids[:, mine]}
+    inputs.update({name: value[:, mine] for name, value in weights.items()})
     return inputs, labels[:, mine]
 
 
