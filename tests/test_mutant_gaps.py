@@ -1,5 +1,6 @@
-"""Gaps ``nox -s mutants`` found in the boundary object (docs/testing.md, "Planted bugs"): inputs a user passes
-that no other test passed in this form, each held to its clear refusal or to the same segments as its plain form."""
+"""Gaps ``nox -s mutants`` found (docs/testing.md, "Planted bugs"): inputs a user passes that no other test passed
+in this form, each held to its clear refusal (named, with the shape it needs) or to the same segments as its plain
+form. In the boundary object and in the public ops' input checks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from packfree_plugin.boundaries import Boundaries
+from packfree_plugin.ops.selective_scan import selective_scan
+from packfree_plugin.ops.ssd import ssd_chunk_scan
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -40,3 +43,31 @@ def test_max_length_given_as_a_tensor_reads_as_its_int(dtype: torch.dtype) -> No
         Boundaries.from_model_inputs(batch_size=1, seq_len=8, device="cpu", cu_seq_lens_q=_cu(lengths),
                                      cu_seq_lens_k=_cu(lengths), max_length_q=torch.tensor(4, dtype=dtype),
                                      max_length_k=torch.tensor(5, dtype=dtype))
+
+
+def _ssd_inputs(batch: int = 1, tokens: int = 6, heads: int = 4, head_dim: int = 2, groups: int = 2,
+                state: int = 3) -> dict[str, torch.Tensor]:
+    """Well-formed ``ssd_chunk_scan`` inputs: x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``, B/C ``[B, T, G, N]``."""
+    return dict(x=torch.randn(batch, tokens, heads, head_dim), dt=torch.rand(batch, tokens, heads),
+                A=-torch.rand(heads), B=torch.randn(batch, tokens, groups, state),
+                C=torch.randn(batch, tokens, groups, state))
+
+
+@pytest.mark.parametrize(("name", "bad", "message"), [
+    ("x", torch.randn(1, 6, 8), r"x must be a \[B, T, H, P\] tensor"),
+    ("B", torch.randn(1, 5, 2, 3), r"B must be \[B, T, G, N\] with B=1, T=6"),
+], ids=["x of 3 dims", "B of another length"])
+def test_ssd_inputs_of_another_shape_are_refused_naming_the_input(name: str, bad: torch.Tensor, message: str) -> None:
+    """packfree's own refusal, not a failure deeper in the op (mutants: ``or`` read as ``and`` in its checks)."""
+    inputs = {**_ssd_inputs(), name: bad}
+    if name == "B":
+        inputs["C"] = bad
+    with pytest.raises(ValueError, match=message):
+        ssd_chunk_scan(**inputs, chunk_size=4)
+
+
+def test_a_selective_scan_u_of_two_dims_is_refused_naming_it() -> None:
+    """``u [D, T]`` without its batch axis (mutant: the check read ``and``, and the unpacking of its shape failed)."""
+    u = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"u must be a \[B, D, T\] tensor"):
+        selective_scan(u, torch.rand(4, 6), -torch.rand(4, 3), torch.randn(1, 3, 6), torch.randn(1, 3, 6))
