@@ -36,22 +36,22 @@ class LossInputs:
         rows: ``(B, T)`` of the forward's tokens.
         weights: the batch's ``token_weights`` / ``sample_weights`` (``[B, T]``) that were given, by name.
         shift_labels: the ``shift_labels [B, T]`` the forward was called with, or None.
-        logits_node: ``id`` of the autograd node that made the forward's logits (None: no graph).
+        logits_node: the autograd node that made the forward's logits (None: no graph); held, not its ``id``, so
+            that a later graph's node at a reused address can never pass for it.
     """
 
     boundaries: Boundaries | None
     rows: tuple[int, int]
     weights: dict[str, torch.Tensor]
     shift_labels: torch.Tensor | None
-    logits_node: int | None
+    logits_node: Any
 
     def made(self, logits: torch.Tensor) -> bool:
         """Whether ``logits`` are this forward's, or DDP's clone of them (whose node's inputs hold the original)."""
         node = logits.grad_fn
         if self.logits_node is None or node is None or tuple(logits.shape[:2]) != self.rows:
             return False
-        return id(node) == self.logits_node or any(id(inner) == self.logits_node
-                                                   for inner, _ in node.next_functions if inner is not None)
+        return node is self.logits_node or any(inner is self.logits_node for inner, _ in node.next_functions)
 
 
 class _Latest(threading.local):
@@ -85,7 +85,7 @@ def keep_loss_inputs(output: Any, boundaries: Boundaries | None, tokens: Any, we
     shift_labels = kwargs.get("shift_labels")
     inputs = LossInputs(boundaries, (tokens.shape[0], tokens.shape[1]), weights,
                         shift_labels if isinstance(shift_labels, torch.Tensor) else None,
-                        None if node is None else id(node))
+                        node)
     _LATEST.inputs = inputs
     try:
         setattr(output, OUTPUT_ATTRIBUTE, inputs)
