@@ -1,6 +1,6 @@
 """Gaps ``nox -s mutants`` found (docs/testing.md, "Planted bugs"): inputs a user passes that no other test passed
 in this form, each held to its clear refusal (named, with the shape it needs) or to the same segments as its plain
-form. In the boundary object and in the public ops' input checks."""
+form. In the boundary object, the model entry's release and the public ops' input checks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from packfree_plugin.boundaries import Boundaries
+from packfree_plugin.forward.hook import has_entry
 from packfree_plugin.ops.selective_scan import selective_scan
 from packfree_plugin.ops.ssd import ssd_chunk_scan
+from tests.conftest import assert_close
+from tests.helpers import STOCK, fresh_pair, samples_of
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -71,3 +74,21 @@ def test_a_selective_scan_u_of_two_dims_is_refused_naming_it() -> None:
     u = torch.randn(4, 6)
     with pytest.raises(ValueError, match=r"u must be a \[B, D, T\] tensor"):
         selective_scan(u, torch.rand(4, 6), -torch.rand(4, 3), torch.randn(1, 3, 6), torch.randn(1, 3, 6))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mamba2"])
+def test_a_released_model_under_accelerate_offload_runs_as_stock(model_type: str) -> None:
+    """accelerate's ``cpu_offload`` wraps the forward packfree's entry took; switching back to stock attention
+    releases it (``packfree_plugin.release``), which gives it back the class's forward, and the model then equals its
+    stock twin under the same hooks (mutant: the forward restored was None, and the next call raised)."""
+    accelerate = pytest.importorskip("accelerate")
+    model, stock = fresh_pair(model_type)
+    for twin in (model, stock):
+        accelerate.cpu_offload(twin, execution_device="cpu")
+    model.set_attn_implementation(STOCK.get(model_type, "sdpa"))
+    assert not has_entry(model)
+    ids = torch.tensor(samples_of([7])[0])[None]
+    with torch.no_grad():
+        released = model(input_ids=ids, use_cache=False).logits
+        expected = stock(input_ids=ids, use_cache=False).logits
+    assert_close(released, expected, atol=0, rtol=0, what=f"{model_type} released")
