@@ -33,7 +33,8 @@ _ENTRY = ["tests/test_batch_reading.py", "tests/test_model_entry.py", "tests/ada
           "tests/test_decode_steps.py", "tests/e2e/test_user_inputs.py", "tests/models/test_causal_lm.py",
           "tests/e2e/test_checkpointing.py"]
 _ATTENTION = ["tests/attention/test_segments.py", "tests/attention/test_varlen_routing.py",
-              "tests/models/test_mask_indexing.py", "tests/test_decode_steps.py", "tests/models/test_causal_lm.py"]
+              "tests/models/test_mask_indexing.py", "tests/test_decode_steps.py", "tests/models/test_causal_lm.py",
+              "tests/test_mutant_gaps.py"]
 _OPS = ["tests/ops/test_conv.py", "tests/ops/test_ssd.py", "tests/ops/test_gated_delta.py",
         "tests/ops/test_selective_scan.py", "tests/test_mutant_gaps.py"]
 TESTS: dict[str, list[str]] = {

@@ -1,16 +1,20 @@
 """Gaps ``nox -s mutants`` found (docs/testing.md, "Planted bugs"): inputs a user passes that no other test passed
 in this form, each held to its clear refusal (named, with the shape it needs) or to the same segments as its plain
-form. In the boundary object, the model entry's release and the public ops' input checks."""
+form. In the boundary object, the model entry's release, segment attention's query blocks and the public ops'
+input checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from packfree_plugin.attention import segments
+from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.forward.hook import has_entry
 from packfree_plugin.ops.selective_scan import selective_scan
 from packfree_plugin.ops.ssd import ssd_chunk_scan
+from tests.attention.test_segments import _packed_inputs, naive_attention
 from tests.conftest import assert_close
 from tests.helpers import STOCK, fresh_pair, samples_of
 
@@ -92,3 +96,21 @@ def test_a_released_model_under_accelerate_offload_runs_as_stock(model_type: str
         released = model(input_ids=ids, use_cache=False).logits
         expected = stock(input_ids=ids, use_cache=False).logits
     assert_close(released, expected, atol=0, rtol=0, what=f"{model_type} released")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["GQA", "MQA"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_grouped_keys_in_query_blocks_equal_each_sample_alone(kv_heads: int, causal: bool) -> None:
+    """Samples longer than a query block under a window that binds, without softcap or sinks: each block runs sdpa
+    on its keys in reach, grouped (4 query heads on fewer key heads). Each sample equals the naive reference alone
+    (mutants: ``enable_gqa`` dropped from the block's sdpa call, or read from the block's length, which then failed
+    on grouped keys)."""
+    lengths = [10, 3, 9]  # query blocks of 4, 4, 2 and 4, 4, 1 tokens: a last block as long as the key heads
+    q, k, v, boundaries = _packed_inputs(lengths, 4, kv_heads, 1)
+    options = AttentionOptions(scale=0.4, causal=causal, window=3)
+    out = segments.segment_attention(q, k, v, boundaries, options, query_block=4)
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        piece = slice(start, start + length)
+        expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=0.4, causal=causal,
+                                   window=3, softcap=None, sinks=None)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {start}")
