@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from packfree_plugin.attention import segments
+from packfree_plugin.attention.interface import run_packed_attention
 from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.forward.hook import has_entry
@@ -113,4 +114,18 @@ def test_grouped_keys_in_query_blocks_equal_each_sample_alone(kv_heads: int, cau
         piece = slice(start, start + length)
         expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=0.4, causal=causal,
                                    window=3, softcap=None, sinks=None)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {start}")
+
+
+def test_forcing_the_portable_backend_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PACKFREE_ATTENTION_BACKEND=segments`` (a backend packfree has) runs segment attention: each sample equals
+    the naive reference alone (mutant: the check of the forced name read ``or``, and refused every backend)."""
+    monkeypatch.setenv("PACKFREE_ATTENTION_BACKEND", "segments")
+    lengths = [5, 2, 6]
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1)
+    out = run_packed_attention(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=True))
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        piece = slice(start, start + length)
+        expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=0.4, causal=True,
+                                   window=None, softcap=None, sinks=None)
         assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {start}")
