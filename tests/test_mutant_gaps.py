@@ -53,6 +53,15 @@ def test_max_length_given_as_a_tensor_reads_as_its_int(dtype: torch.dtype) -> No
                                      max_length_k=torch.tensor(5, dtype=dtype))
 
 
+def test_position_ids_of_one_row_number_every_row() -> None:
+    """``position_ids [1, T]`` beside ``B`` rows of tokens (what a collator or the model's own arange sends) give the
+    segments of those ids repeated on every row (mutant: the broadcast to ``B`` rows lost its batch size)."""
+    one_row = torch.cat([torch.arange(n) for n in (3, 5)])[None]
+    shared = Boundaries.from_model_inputs(batch_size=2, seq_len=8, device="cpu", position_ids=one_row)
+    per_row = Boundaries.from_model_inputs(batch_size=2, seq_len=8, device="cpu", position_ids=one_row.repeat(2, 1))
+    assert shared.offsets == per_row.offsets == (0, 3, 8, 11, 16)
+
+
 def _ssd_inputs(batch: int = 1, tokens: int = 6, heads: int = 4, head_dim: int = 2, groups: int = 2,
                 state: int = 3) -> dict[str, torch.Tensor]:
     """Well-formed ``ssd_chunk_scan`` inputs: x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``, B/C ``[B, T, G, N]``."""
