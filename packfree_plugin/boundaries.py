@@ -95,10 +95,13 @@ def memo(holder: Boundaries | torch.Tensor, name: Hashable, key: Hashable, build
     which has no version, it holds only inside the forward whose entry read that tensor: :func:`_stamp`). One value
     per name: a call with another ``key`` (a new chunk size, dtype or length) builds and keeps its own in place of
     the old. A ``build`` that raises keeps nothing."""
+    # a value built under inference_mode is an inference tensor, which autograd refuses to save: never reuse one
+    # outside that mode (a model evaluated under inference_mode, then trained on the same position_ids)
+    inference = torch.is_inference_mode_enabled()
     if isinstance(holder, Boundaries):
-        store, stamp = holder._device_forms, key
+        store, stamp = holder._device_forms, (key, inference)
     else:
-        store, stamp = holder.__dict__.setdefault(_MEMO_ATTR, {}), (key, _stamp(holder))
+        store, stamp = holder.__dict__.setdefault(_MEMO_ATTR, {}), (key, inference, _stamp(holder))
     entry = store.get(name)
     if entry is None or entry[0] != stamp:
         entry = store[name] = (stamp, build())

@@ -219,3 +219,16 @@ def test_an_inference_buffer_read_by_a_forward_holds_nothing_after_it() -> None:
         naive = naive_causal_conv1d(x, weight, None, seq_idx=packed_batch("B", "seq_idx", labels=False)["seq_idx"])
     assert_close(refilled, fresh, atol=FRESH_TOLERANCE, rtol=0, what="refilled after a forward against fresh")
     assert_close(refilled, naive, what="refilled after a forward against the naive reference")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_batch_run_under_inference_mode_then_trained_on(model_type: str, form: str) -> None:
+    """The same batch tensors evaluated under ``torch.inference_mode`` and then trained on (what stock runs): nothing
+    packfree built in inference mode is reused in the training step, whose loss and gradients equal each sample
+    alone on stock."""
+    model, _ = shared_pair(model_type)
+    batch = packed_batch("B", form, labels=True)
+    with torch.inference_mode():
+        step(model, batch, backward=False)
+    _compare_with_alone(step(model, batch), model_type, True, backward=True, what=f"{model_type}/{form}")

@@ -18,12 +18,12 @@ contiguous slice of chunks, one per still-active sample.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..boundaries import host_of
+from ._kept import kept_per_mode
 from ._seq import check_cu_seqlens_form
 
 
@@ -121,7 +121,7 @@ class ChunkLayout:
         return per_rank.index_select(0, self.sample_to_rank)
 
 
-@functools.lru_cache(maxsize=64)
+@kept_per_mode(maxsize=64)
 def chunk_layout(offsets: tuple[int, ...], chunk: int, device: torch.device) -> ChunkLayout:
     """Build (and cache: every layer of a model reuses it) the step-major chunk layout for ``offsets``."""
     cu = torch.tensor(offsets, dtype=torch.long)

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ...boundaries import host_of, memo
 from .._boundary_doc import with_boundary_doc
+from .._kept import kept_per_mode
 from .._nonfinite import Quarantine
 from .._seq import resolve_seq_idx
 from .gates import kda_gate, l2norm
@@ -84,7 +85,7 @@ def _check_chunking(chunk_size: int, per_channel: bool) -> None:
 _NEG_INF = float("-inf")
 
 
-@functools.lru_cache(maxsize=16)
+@kept_per_mode(maxsize=16)
 def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
     """``[C, C]`` bool, True above the diagonal: the pairs ``s > r`` no decay links."""
     return ~torch.ones(C, C, dtype=torch.bool, device=device).tril()
@@ -269,7 +270,7 @@ def _stack_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return torch.cat([q, k, v, g if per_channel else g[..., None], beta[..., None]], dim=-1)
 
 
-@functools.lru_cache(maxsize=16)
+@kept_per_mode(maxsize=16)
 def _row_scales(scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[2, 1]``: ``scale`` for the q row, 1 for the k row of a joint ``[..., 2, K]`` normalisation."""
     return torch.tensor([[scale], [1.0]], dtype=dtype, device=device)

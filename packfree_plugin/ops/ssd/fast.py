@@ -13,7 +13,6 @@ working set does not grow with T.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...boundaries import memo
+from .._kept import kept_per_mode
 from .._nonfinite import Quarantine
 from .naive import process_dt
 
@@ -32,7 +32,7 @@ _GROUP_BYTES = 1 << 20
 per chunk at 32 heads), all of a short row at once at tiny widths (each group costs a few dozen small ops)."""
 
 
-@functools.lru_cache(maxsize=16)
+@kept_per_mode(maxsize=16)
 def _triangles(L: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """``(above_or_on [L, L], above [L, L])`` bool: pairs outside the strict and the inclusive lower triangle."""
     ones = torch.ones(L, L, dtype=torch.bool, device=device)
