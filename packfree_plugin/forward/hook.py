@@ -126,7 +126,7 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     finally:
         if pushed:
             pop()
-        if not in_prepared_forward():
+        if outermost:
             close_batch()
 
 
