@@ -11,6 +11,11 @@ from tests.helpers import fresh_pair, gradients, padded_batch, samples_of
 
 peft = pytest.importorskip("peft")
 
+FLOAT32_INSIDE = {"qwen3_next": 2e-5}
+"""Gradient tolerance relative to each tensor's largest entry. Stock Qwen3-Next runs its gated delta rule in float32
+inside a float64 model: 4.5e-6 of the largest entry off on peft 0.22 (torch 2.13 CPU). A leak across samples is
+off by more than 1e-2."""
+
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
 def test_lora_packed_equals_padded(model_type: str) -> None:
@@ -35,7 +40,8 @@ def test_lora_packed_equals_padded(model_type: str) -> None:
     mine, theirs = gradients(lora), gradients(lora_stock)
     assert mine.keys() == theirs.keys() and len(mine) == len(trainable)
     for name in mine:
-        assert_close(mine[name], theirs[name], atol=1e-6, rtol=1e-5, what=name)
+        scale = FLOAT32_INSIDE.get(model_type, 1e-9) * float(theirs[name].abs().max())
+        assert_close(mine[name], theirs[name], atol=scale, rtol=0, what=name)
 
 
 @pytest.mark.parametrize("wrap", ["lora", "modules_to_save"])
