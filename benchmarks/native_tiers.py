@@ -2,7 +2,7 @@
 
 MiniMax (lightning attention) and RecurrentGemma (RG-LRU) each get a packed training step (forward and
 backward, float32) of one model with the same weights and row, once with packfree's native forward
-(:mod:`packfree_plugin.adapters.native_forwards`) and once with the layer's adapter switched to the generic tier,
+(:mod:`packfree_plugin.adapters.seam`, or the family's own forward in ``ops/<family>/family.py``) and once with the layer's adapter switched to the generic tier,
 which unpacks the row and runs the layer per sample. Reported: median step time of each and the ratio.
 ``python -m benchmarks.native_tiers [--quick]``; ``nox -s bench`` runs it with the others.
 """

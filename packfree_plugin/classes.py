@@ -7,9 +7,10 @@ model decides from its config, the config class. This file holds data only: each
 the layer acting on it, which looks the entry up (:func:`entry_of`, :func:`inherited_entry`):
 
 - ``mixer``: the family of sequence mixers or attention layers with code of their own that runs the class on packed
-  rows, a key of :data:`.adapters.entry.ADAPTERS` (the families: :mod:`.adapters.families`, :mod:`.adapters.encoders`);
-  ``routes``: the kernel functions of its modeling module that the family's native tier routes to packfree's ops
-  (:mod:`.adapters.routes`, kernels by name in :data:`.adapters.routes.ROUTED_KERNELS`);
+  rows: a native family declared in its op folder (``ops/<family>/family.py``, :func:`.ops.family.families`), else
+  a key of :data:`.adapters.registry.ADAPTERS` (:mod:`.adapters.families`, :mod:`.adapters.encoders`);
+  ``modeling``: for a native family that routes kernel functions, the class's modeling module, where the family's
+  functions are routed (:mod:`.adapters.seam`);
 - ``stock_table``: the class is picked from a table of attention classes by implementation, which gets a
   ``"packfree"`` entry (:mod:`.adapters.families`);
 - ``mixes_nothing``: looks like a sequence mixer, mixes nothing (:func:`.adapters.mixers.check_coverage`);
@@ -27,9 +28,8 @@ the layer acting on it, which looks the entry up (:func:`entry_of`, :func:`inher
 - ``images_per_row``: config classes whose image tensors are ``[B, images, ...]`` (:mod:`.packing.vision`);
 - ``stores_nothing``: cache layers that hold no state, so say nothing of earlier tokens (:mod:`.batch_reading`).
 
-A new model class, quirk or refusal is one entry here (or one more field on an entry); a new mixer family is one
-:class:`~.adapters.entry.MixerAdapter` in :mod:`.adapters.families` named by its classes' entries, and, for a new
-kernel, its op folder under ``ops/`` with its route in :mod:`.adapters.routes`.
+A new model class, quirk or refusal is one entry here (or one more field on an entry); a new native mixer family is
+one op folder under ``ops/`` with its ``family.py``, named by its classes' entries (docs/layout.md).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CLASSES", "ClassEntry", "DenseMask", "Refusal", "Routes", "StockTable", "classes_with", "entry_of",
-           "inherited_entry", "routed_functions", "stock_tables", "switched_on"]
+__all__ = ["CLASSES", "ClassEntry", "DenseMask", "Refusal", "StockTable", "classes_with", "entry_of",
+           "inherited_entry", "stock_tables", "switched_on"]
 
 
 @dataclass(frozen=True)
@@ -68,17 +68,6 @@ class DenseMask:
 
 
 @dataclass(frozen=True)
-class Routes:
-    """The kernel functions a mixer's modeling module declares (``@use_kernel_func_from_hub_with_fallback``) and the
-    mixer calls, which the native tier routes to packfree's ops."""
-
-    module: str
-    """The modeling module, under ``transformers.models`` (``"mamba2.modeling_mamba2"``)."""
-    functions: Mapping[str, str]
-    """Module-level function -> the kernel it implements, a key of :data:`.adapters.routes.ROUTED_KERNELS`."""
-
-
-@dataclass(frozen=True)
 class StockTable:
     """A table of attention classes by implementation that a model picks the class from: it gets a ``"packfree"``
     entry, the class of ``implementation``."""
@@ -95,8 +84,9 @@ class ClassEntry:
 
     mixer: str | None = None
     """The family that runs the class on packed rows: a key of :data:`.adapters.entry.ADAPTERS`."""
-    routes: Routes | None = None
-    """Native tier: the kernel functions of the class's modeling module routed to packfree's ops."""
+    modeling: str | None = None
+    """Native tier: the class's modeling module (under ``transformers.models``), whose kernel functions its family
+    routes (the family's ``routes``, :class:`packfree_plugin.ops.family.MixerFamily`)."""
     stock_table: StockTable | None = None
     """The table of attention classes its model picks the class from."""
     mixes_nothing: bool = False
@@ -148,26 +138,11 @@ def _refused(name: str, reason: str) -> tuple[tuple[str], ClassEntry]:
     return (name,), ClassEntry(refused=Refusal(reason))
 
 
-def _routed(mixer: str, functions: Mapping[str, str],
-            modules: Mapping[str, str]) -> list[tuple[tuple[str], ClassEntry]]:
-    """Classes of the native family ``mixer``, each with ``functions`` routed in its modeling module
-    (``modules``: class name -> module under ``transformers.models``)."""
-    return [((name,), ClassEntry(mixer=mixer, routes=Routes(module, functions))) for name, module in modules.items()]
+def _routed(mixer: str, modules: Mapping[str, str]) -> list[tuple[tuple[str], ClassEntry]]:
+    """Classes of the native family ``mixer``, each with its modeling module (``modules``: class name -> module under
+    ``transformers.models``), where the family's kernel functions are routed."""
+    return [((name,), ClassEntry(mixer=mixer, modeling=module)) for name, module in modules.items()]
 
-
-# The native families' kernel functions: module-level function of a modeling module -> the kernel it implements
-# (a route of :data:`.adapters.routes.ROUTED_KERNELS`). These are the functions a modeling module declares with
-# ``@use_kernel_func_from_hub_with_fallback("<kernel>", ...)`` and calls from its mixers, for the transformers range
-# in :mod:`packfree_plugin.compat` (``tests/adapters/test_kernel_table.py`` checks each exists).
-_CONV = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update"}
-_GATED_DELTA = {**_CONV, "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
-                "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
-_KDA = {**_CONV, "chunk_kimi_delta_attention": "chunk_kda", "recurrent_kimi_delta_attention": "fused_recurrent_kda"}
-_MAMBA2 = {**_CONV, "mamba2_chunk_scan": "mamba_chunk_scan_combined",
-           "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined",
-           "mamba2_selective_state_update": "selective_state_update"}
-_MAMBA = {**_CONV, "mamba_selective_scan": "selective_scan_fn", "mamba_selective_state_update": "selective_state_update"}
-_FUSED_MAMBA = {**_MAMBA, "mamba_inner_fn": "mamba_inner_fn"}
 
 _FAIRSEQ_EMBEDDINGS = (
     "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings", "Data2VecTextEmbeddings",
@@ -194,32 +169,32 @@ _SAM_TOWER = "vision tower: attends over its own patches, never along a packed t
 CLASSES: dict[str, ClassEntry] = _table(
     # ================================================================ sequence mixers
     # ---------------------------------------------------------------- Gated DeltaNet / KDA (conv + delta rule)
-    *_routed("gated_delta", _GATED_DELTA, {
+    *_routed("gated_delta", {
         "Qwen3NextGatedDeltaNet": "qwen3_next.modeling_qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5.modeling_qwen3_5",
         "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe.modeling_qwen3_5_moe",
         "Qwen4ExpTextGatedDeltaNet": "qwen4_exp.modeling_qwen4_exp",
         "OlmoHybridGatedDeltaNet": "olmo_hybrid.modeling_olmo_hybrid",
         "LaraMiniGatedDeltaNet": "lara_mini.modeling_lara_mini",
     }),
-    *_routed("kimi_delta", _KDA, {
+    *_routed("kimi_delta", {
         "KimiLinearDeltaAttention": "kimi_linear.modeling_kimi_linear",
         "BailingHybridDeltaAttention": "bailing_hybrid.modeling_bailing_hybrid",
         "Glm5NextTextLinearAttention": "glm5_next.modeling_glm5_next",
     }),
     # ---------------------------------------------------------------- Mamba2 / SSD and Mamba1 (conv + scan)
-    *_routed("mamba2", _MAMBA2, {
+    *_routed("mamba2", {
         "Mamba2Mixer": "mamba2.modeling_mamba2", "BambaMixer": "bamba.modeling_bamba",
         "FalconH1Mixer": "falcon_h1.modeling_falcon_h1",
         "GraniteMoeHybridMambaLayer": "granitemoehybrid.modeling_granitemoehybrid",
         "NemotronHMamba2Mixer": "nemotron_h.modeling_nemotron_h", "Zamba2MambaMixer": "zamba2.modeling_zamba2",
     }),
-    *_routed("mamba", _FUSED_MAMBA, {
+    *_routed("mamba", {
         "MambaMixer": "mamba.modeling_mamba", "FalconMambaMixer": "falcon_mamba.modeling_falcon_mamba",
         "JambaMambaMixer": "jamba.modeling_jamba",
     }),
-    *_routed("mamba", _MAMBA, {"ZambaMambaMixer": "zamba.modeling_zamba"}),
+    *_routed("mamba", {"ZambaMambaMixer": "zamba.modeling_zamba"}),
     # ---------------------------------------------------------------- short / causal convolutions
-    *_routed("short_conv", _CONV, {
+    *_routed("short_conv", {
         "Lfm2ShortConv": "lfm2.modeling_lfm2", "Lfm2MoeShortConv": "lfm2_moe.modeling_lfm2_moe",
         "Lfm3ShortConv": "lfm3.modeling_lfm3",
     }),
@@ -413,20 +388,6 @@ def classes_with(field_name: str) -> frozenset[str]:
 
 
 @functools.cache
-def routed_functions() -> dict[str, Mapping[str, str]]:
-    """Modeling module -> {function: kernel}: every transformers function packfree routes, gathered from the entries'
-    ``routes`` (two entries routing other functions in one module raise)."""
-    gathered: dict[str, Mapping[str, str]] = {}
-    for name, entry in CLASSES.items():
-        if entry.routes is None:
-            continue
-        module, functions = entry.routes.module, entry.routes.functions
-        if gathered.get(module, functions) != functions:
-            raise ValueError(f"{name}: {module} already routes other functions ({dict(gathered[module])})")
-        gathered[module] = functions
-    return gathered
-
-
 @functools.cache
 def stock_tables() -> dict[str, tuple[str, str]]:
     """Modeling module -> (its table of attention classes by implementation, the entry ``"packfree"`` gets)."""

@@ -121,6 +121,7 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     import packfree_plugin
     from packfree_plugin.adapters.registry import ADAPTERS
     from packfree_plugin.classes import CLASSES
+    from packfree_plugin.adapters import seam
     from packfree_plugin.forward import context
 
     torch.manual_seed(SEED)
@@ -138,12 +139,12 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     leaks = []
     stack = context._STACK
-    if stack.items or stack.layers_pushed or stack.native is not None:
+    if stack.items or stack.layers_pushed or seam.running_layer() is not None:
         leaks.append(f"the boundary stack: {len(stack.items)} entries, {len(stack.layers_pushed)} layer marks, "
-                     f"native call {stack.native is not None}")
+                     f"native call of {seam.running_layer()}")
         stack.items.clear()
         stack.layers_pushed.clear()
-        stack.native = None
+        seam._CALL.__init__()
     if packfree_plugin.is_registered() != registered:
         leaks.append(f"packfree {'unregistered' if registered else 'registered'}")
         packfree_plugin.register() if registered else packfree_plugin.unregister()

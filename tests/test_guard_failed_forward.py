@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from packfree_plugin.adapters import seam
 from packfree_plugin.forward import context
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close
@@ -39,7 +40,7 @@ def stack_restored() -> Iterator[None]:
     yield
     context._STACK.items.clear()
     context._STACK.layers_pushed.clear()
-    context._STACK.native = None
+    seam._CALL.__init__()
 
 
 @contextmanager
@@ -61,7 +62,7 @@ def raising(model: torch.nn.Module, path: str, *, on_call: int) -> Iterator[None
 
 def assert_nothing_left() -> None:
     """No boundaries, decoder-layer entry or native mixer call is left on this thread."""
-    left = (list(context._STACK.items), list(context._STACK.layers_pushed), context._STACK.native)
+    left = (list(context._STACK.items), list(context._STACK.layers_pushed), seam.running_layer())
     assert left == ([], [], None), f"the failed forward left on the stack: {left}"
 
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packfree_plugin.adapters.native_forwards  # noqa: F401  (registers the inline-recurrence functions)
-import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer functions)
+from packfree_plugin.ops.family import families
 import packfree_plugin.attention.interface  # noqa: F401  (registers packed attention)
 from packfree_plugin.ops import opaque
 from packfree_plugin.boundaries import Boundaries
 from tests.conftest import assert_close
+
+families()  # declares every family's boundary op
 
 B, T = 2, 10
 F64 = torch.float64

@@ -1,11 +1,10 @@
 """One declarative adapter per family of sequence mixers and of attention layers with code of their own (see
-:mod:`.entry`); each class names its family in its entry (:data:`packfree_plugin.classes.CLASSES`).
+:mod:`.registry`); each class names its family in its entry (:data:`packfree_plugin.classes.CLASSES`).
 
-Every family runs the layer's own forward per sample (the generic tier) unless it names a native
-implementation. ``native_forward`` (:mod:`.routes`) runs the layer's own forward once on the packed
-rows, with its kernel calls (conv, delta rule, SSD, selective scan) routed to packfree's ops: the class's entry
-(``routes``) names those kernel functions and the modeling module they live in. The forwards of :mod:`.forwards` do
-the same for layers whose recurrence is inline (lightning attention, RG-LRU).
+The native families are declared in their op folders (``ops/<family>/family.py``) and get their adapter here, the
+native tier (:func:`.seam.native_tier`): the layer runs once on the packed rows, its kernel calls routed to the
+family's ops, or the family's own forward where transformers computes the recurrence inline. Every other family
+runs the layer's own forward per sample (the generic tier).
 """
 
 from __future__ import annotations
@@ -19,19 +18,16 @@ from torch import nn
 
 from ..classes import stock_tables
 from .generic import dense_causal_mask
-from .registry import MixerAdapter, positions_per_sample, register_adapter
-from .native_forwards import lightning_forward, rg_lru_forward
+from ..ops.family import families, positions_per_sample
 from .instance import own_parameters
-from .routes import native_forward
+from .registry import MixerAdapter, register_adapter
+from .seam import native_tier
 
-# ------------------------------------------------------------------ Gated DeltaNet / KDA (conv + delta rule)
-GATED_DELTA = register_adapter(MixerAdapter("gated_delta", native=native_forward))
-KIMI_DELTA = register_adapter(MixerAdapter("kimi_delta", native=native_forward))
-# ------------------------------------------------------------------ Mamba2 / SSD and Mamba1 (conv + scan)
-MAMBA2 = register_adapter(MixerAdapter("mamba2", native=native_forward))
-MAMBA = register_adapter(MixerAdapter("mamba", native=native_forward))
+# ------------------------------------------------------------------ native families, declared in their op folders
+NATIVE = tuple(register_adapter(MixerAdapter(family.name, native=native_tier(family), hidden_arg=family.hidden_arg,
+                                             output_index=family.output_index, per_sample=family.per_sample))
+               for family in families().values())
 # ------------------------------------------------------------------ short / causal convolutions
-SHORT_CONV = register_adapter(MixerAdapter("short_conv", native=native_forward))
 INKLING_CONV = register_adapter(MixerAdapter(
     "inkling_conv",
     notes="generic: its native route agrees with stock only to 1e-9 in a float64 model, whose short convs stock "
@@ -46,19 +42,10 @@ PLE = register_adapter(MixerAdapter(
     notes="hashed n-grams of the previous tokens (its NGramEmbedding child) and a dilated causal conv",
 ))
 # ------------------------------------------------------------------ other recurrences
-LIGHTNING = register_adapter(MixerAdapter(
-    "lightning", native=lightning_forward, output_index=0,
-    notes="MiniMax's decay linear attention, computed inline: packfree's decay linear-attention op",
-))
 RWKV_TIME_MIX = register_adapter(MixerAdapter("rwkv_time_mix", hidden_arg="hidden", output_index=0))
 RWKV_CHANNEL_MIX = register_adapter(MixerAdapter(
     "rwkv_channel_mix", hidden_arg="hidden", output_index=0,
     notes="RWKV's feed-forward mixes each token with the previous one (token shift)",
-))
-RG_LRU = register_adapter(MixerAdapter(
-    "rg_lru", native=rg_lru_forward, hidden_arg="input_states", output_index=0,
-    per_sample=positions_per_sample,
-    notes="conv1d + RG-LRU, computed inline: packfree's conv and linear-recurrence ops",
 ))
 MLSTM = register_adapter(MixerAdapter("mlstm", hidden_arg="x", output_index=0))
 # ------------------------------------------------------------------ attention outside the packfree function

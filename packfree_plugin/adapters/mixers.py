@@ -1,7 +1,7 @@
 """How sequence mixers (layers that carry information along the sequence outside attention) run on a packed batch.
 
 What runs a class is elsewhere: its entry (:data:`packfree_plugin.classes.CLASSES`) names its family, and one
-:class:`~.entry.MixerAdapter` per family (:data:`.entry.ADAPTERS`, filled by :mod:`.families` and :mod:`.encoders`)
+:class:`~.registry.MixerAdapter` per family (:data:`.registry.ADAPTERS`, filled by :mod:`.families` and :mod:`.encoders`)
 says how packed boundaries reach it. :func:`wrap_mixers` gives every covered layer of a model an instance-level forward
 that, while a packed batch is in flight, runs the adapter; otherwise the layer's own forward runs
 untouched. A layer that looks like a sequence mixer but has no adapter is refused at load
@@ -10,9 +10,9 @@ untouched. A layer that looks like a sequence mixer but has no adapter is refuse
 Where does a layer get its boundaries? From :func:`~.forward.context.boundaries_here`, given its input rows:
 the ``packfree_boundaries`` keyword when its decoder layer passes its ``**kwargs`` on (most transformers 5
 models do), else the per-forward context's stack, which the decoder-layer hook fills around each layer
-(and around the recomputation of gradient checkpointing), provided they describe those rows. Native adapters
-hand them to packfree's ops (:mod:`.routes`, through the kernel functions their class's entry's ``routes`` name); the
-generic tier reads the host offsets.
+(and around the recomputation of gradient checkpointing), provided they describe those rows. The native tier hands
+them to its family's ops (:mod:`.seam`, through the kernel functions its family routes); the generic tier reads
+the host offsets.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from . import encoders, families  # noqa: F401 - they fill the adapters by famil
 from .registry import adapter_for
 from .generic import attention_forward, run_generic
 from .instance import install, own_forward, own_parameters, uninstall
-from .routes import may_reach_kernels, native_forward, quarantined, routed_kernels_of
+from .seam import routed_kernels_of
 
 __all__ = ["check_coverage", "unwrap_mixers", "wrap_mixers"]
 
@@ -54,12 +54,8 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
         # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
         return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
-    if adapter.native is native_forward and not may_reach_kernels(layer, arguments[adapter.hidden_arg]):
-        # packfree's torch ops keep a sample's NaN or inf out of the others themselves
-        return native_forward(layer, original, boundaries, arguments)
-    if adapter.native is not None:
-        return quarantined(adapter, boundaries, arguments, lambda inputs: adapter.native(layer, original, boundaries,
-                                                                                             inputs))
+    if adapter.native is not None:  # its ops keep a sample's NaN or inf out of the others, whichever kernel runs
+        return adapter.native(layer, original, boundaries, arguments)
     return run_generic(adapter, layer, original, boundaries, arguments)
 
 
@@ -71,7 +67,7 @@ def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:
         if adapter is None:
             continue
         install(module, _mixer_forward)
-        if adapter.native is not None:
+        if entry_of(type(module)).modeling is not None:
             try:
                 routed_kernels_of(module)
             except ValueError as error:

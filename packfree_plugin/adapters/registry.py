@@ -14,8 +14,7 @@ from torch import nn
 from ..boundaries import Boundaries
 from ..classes import entry_of
 
-__all__ = ["ADAPTERS", "MixerAdapter", "NativeRun", "PerSample", "adapter_for",
-           "positions_per_sample", "register_adapter"]
+__all__ = ["ADAPTERS", "MixerAdapter", "NativeRun", "PerSample", "adapter_for", "register_adapter"]
 
 NativeRun = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(layer, original_forward, boundaries, bound_arguments) -> output``."""
@@ -39,8 +38,8 @@ class MixerAdapter:
     ``per_sample``: extra arguments the layer needs when run on one right-padded sample batch (:data:`PerSample`).
     ``per_sample_output``: ``(layer, output) -> output``, applied to each group's output before its per-token
     entries go back into packed order (which needs them of one width in every group).
-    A native tier that runs the layer's own forward with its kernel calls routed to packfree's ops
-    (:func:`.routes.native_forward`) finds the kernel functions it calls in each class's entry (``routes``).
+    A native family (declared in its op folder, :class:`packfree_plugin.ops.family.MixerFamily`) gets its native
+    tier from :func:`.seam.native_tier`.
 
     ``attention``: for attention layers with their own attention code (a relative-position bias, sinks
     passed under another name, a token indexer reading a dense mask, ...), which the ``"packfree"``
@@ -91,8 +90,3 @@ def adapter_for(cls: type) -> MixerAdapter | None:
     """The adapter that runs layers of class ``cls`` (None: its entry names no family)."""
     family = entry_of(cls).mixer
     return ADAPTERS[family] if family is not None else None
-
-
-def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str, Any]) -> dict[str, Any]:
-    """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded batch ``hidden [n, L, ...]``."""
-    return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}

@@ -1,8 +1,8 @@
-"""The per-thread stack of boundaries: what every consumer that transformers' ``**kwargs`` do not reach (a mixer, a
-position module, a mask or attention function, a routed kernel) reads, through :func:`boundaries_here` and
-:func:`native_call`. The entries that fill it (a model forward, a decoder layer, its gradient-checkpoint
-recomputation) live in :mod:`.hook`; a native mixer call stands beside the stack as a :class:`NativeCall`
-(:mod:`packfree_plugin.adapters.routes`).
+"""The per-thread stack of boundaries: the one channel to every consumer that transformers' ``**kwargs`` do not
+reach (a mixer, a position module, a mask or attention function, a routed kernel), read through
+:func:`boundaries_here` (or :func:`current`). The entries that fill it (a model forward, a decoder layer, its
+gradient-checkpoint recomputation) live in :mod:`.hook`; a native mixer call pushes the boundaries it runs on where
+they differ from the top (:mod:`packfree_plugin.adapters.seam`).
 
 The stack lives on a ``threading.local`` rather than in a ``ContextVar``: Dynamo traces reads and pushes
 of the former and breaks the graph on the latter, and these reads happen in every layer.
@@ -20,50 +20,32 @@ from torch import nn
 from ..boundaries import Boundaries
 
 __all__ = [
-    "NativeCall",
     "boundaries_here",
     "current",
     "enter_layer",
-    "enter_native",
-    "exit_native",
     "fits",
     "in_prepared_forward",
     "is_prepared",
     "kept_on",
     "leave_layer",
     "mark_prepared",
-    "native_call",
     "pop",
     "push",
     "push_unless_on_top",
+    "stack_depth",
 ]
-
-
-class NativeCall:
-    """One native-tier mixer call in progress: its boundaries, and how many kernel calls it routed. It stands beside
-    the stack, not on it: the boundaries it runs on are the stack's top (pushed only where they differ)."""
-
-    def __init__(self, boundaries: Boundaries, layer_name: str, *, depth: int, outer: NativeCall | None,
-                 pushed: bool) -> None:
-        self.boundaries = boundaries
-        self.layer_name = layer_name
-        self.routed = 0
-        self.depth = depth
-        self.outer = outer
-        self.pushed = pushed
 
 
 class _PerThread(threading.local):
     def __init__(self) -> None:
         self.items: list[Boundaries | None] = []
         self.layers_pushed: list[bool] = []
-        self.native: NativeCall | None = None
 
 
 _STACK = _PerThread()
 """The one per-thread stack: the boundaries of the model forward (or of a decoder layer or nested model whose
 boundaries differ from the enclosing one's) in progress (None: a call that packs nothing, e.g. decoding); beside it,
-the native mixer call in progress and which hooked layers pushed."""
+which hooked layers pushed."""
 
 
 def push(entry: Boundaries | None) -> None:
@@ -95,6 +77,11 @@ def enter_layer(boundaries: Boundaries | None) -> None:
 def leave_layer() -> None:
     if _STACK.layers_pushed.pop():
         pop()
+
+
+def stack_depth() -> int:
+    """How many entries the stack holds on this thread."""
+    return len(_STACK.items)
 
 
 def current() -> Boundaries | None:
@@ -161,28 +148,6 @@ def boundaries_here(kwargs: dict[str, Any] | None = None, *, rows: Any = _ANY_RO
     if rows is not _ANY_ROWS and not fits(boundaries, rows):
         return None
     return boundaries
-
-
-def native_call() -> NativeCall | None:
-    """The native mixer call in progress on this thread, unless something inside it put other boundaries in
-    effect."""
-    call = _STACK.native
-    return call if call is not None and call.depth == len(_STACK.items) else None
-
-
-def enter_native(boundaries: Boundaries, layer_name: str) -> NativeCall:
-    """Start a native mixer call on ``boundaries`` (pair with :func:`exit_native` in a ``finally``)."""
-    pushed = push_unless_on_top(boundaries)
-    call = NativeCall(boundaries, layer_name, depth=len(_STACK.items), outer=_STACK.native, pushed=pushed)
-    _STACK.native = call
-    return call
-
-
-def exit_native() -> None:
-    call = _STACK.native
-    _STACK.native = call.outer
-    if call.pushed:
-        pop()
 
 
 def fits(boundaries: Boundaries, tokens: Any) -> bool:

@@ -136,9 +136,9 @@ def apply(model: nn.Module) -> nn.Module:
 
 def unregister() -> None:
     """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s three wrapped methods, the kernel functions
-    of modeling modules that packfree routed (:mod:`.adapters.routes`) and their attention-class tables."""
+    of modeling modules that packfree routed (:mod:`.adapters.seam`) and their attention-class tables."""
     from ..adapters.families import remove_implementation_entries
-    from ..adapters.routes import uninstall_routes
+    from ..adapters.seam import uninstall_routes
 
     uninstall_routes()
     remove_implementation_entries()

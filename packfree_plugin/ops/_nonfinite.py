@@ -19,9 +19,15 @@ forward and backward. :class:`Quarantine` removes such samples from the mixing i
 Other samples get exactly what they get without the poisoned one, forward and backward. A row without
 non-finite values pays one reduction and one ``where`` per input and one ``where`` per output, on every device: it
 never reads a value back to the host (on a GPU that read would synchronise in every layer).
+
+packfree's torch paths quarantine inside their chunked computation. The CUDA kernel packages an op may call
+instead (causal-conv1d, mamba-ssm, fla) do not isolate non-finite values, so each op wraps its kernel call in
+:func:`around_kernel`: the op that picks the kernel is the one place that knows one runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +35,7 @@ from torch import Tensor
 from ..boundaries import memo
 from ._seq import first_token_mask
 
-__all__ = ["Quarantine"]
+__all__ = ["Quarantine", "around_kernel"]
 
 
 def _sample_heads(seq_idx: Tensor) -> Tensor:
@@ -128,3 +134,14 @@ class Quarantine:
         if self.state_finite is not None:
             finite = finite & self.state_finite
         return torch.where(finite.view(-1, *[1] * (final.dim() - 1)), final, float("nan"))
+
+
+def around_kernel(seq_idx: Tensor | None, per_token: list[tuple[Tensor | None, int]],
+                  kernel: Callable[..., Tensor], *, out_time_dim: int = 1) -> Tensor:
+    """``kernel(*clean inputs)`` with every sample that has a non-finite input computed on zeros and returned as
+    NaN (:class:`Quarantine`); ``per_token``: the kernel's per-token inputs with their time dim, in call order. One
+    sample per row (``seq_idx`` None) needs nothing: a kernel never mixes rows."""
+    if seq_idx is None:
+        return kernel(*(t for t, _ in per_token))
+    quarantine = Quarantine(seq_idx, per_token)
+    return quarantine.mark(kernel(*quarantine.clean()), out_time_dim)

@@ -87,10 +87,9 @@ def run_head_parallel(shard: SequenceShard, name: str, function: Callable[..., t
 def sequence_parallel_call(shard: SequenceShard, name: str, function: Callable[..., torch.Tensor],
                            tensors: tuple[torch.Tensor | None, ...], options: dict[str, Any]) -> torch.Tensor:
     """:func:`packfree_plugin.ops.opaque.call` for boundaries of a sequence-parallel shard (eager only)."""
-    from ..forward.context import native_call
+    from ..adapters.seam import running_layer
 
-    call = native_call()
-    layer = call.layer_name if call is not None else name
+    layer = running_layer() or name
     if torch.compiler.is_compiling():
         raise ValueError(f"{layer}: packfree's head-parallel mixers run eagerly; compile the model without "
                          "sequence parallelism, or run this one uncompiled")

@@ -17,8 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.registry import adapter_for
-from ..adapters.native_forwards import lightning_forward, rg_lru_forward
-from ..adapters.routes import native_forward
 from ..boundaries import Boundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
@@ -33,11 +31,6 @@ __all__ = ["check_splittable", "layout_of", "prepare_sequence_parallel"]
 
 _HOOK_ATTR = "_packfree_sequence_parallel"
 _EVAL_ATTR = "_packfree_sequence_parallel_off_in_eval"
-HEAD_PARALLEL_FORWARDS = (native_forward, lightning_forward, rg_lru_forward)
-"""Adapter forwards whose every token-mixing step is a routed op with a head-parallel layout (a :class:`~packfree_plugin.ops.opaque.Layout`):
-the native tier's routes, MiniMax's lightning attention, RecurrentGemma's conv + RG-LRU."""
-
-
 def _gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[B, T/P]`` on every rank -> ``[B, T]`` (rank order along T); equal shard lengths are required."""
     world = dist.get_world_size(group)
@@ -112,7 +105,7 @@ def check_splittable(model: nn.Module) -> None:
     for path, module in model.named_modules():
         kind = type(module).__name__
         adapter = adapter_for(type(module))
-        if adapter is not None and adapter.native not in HEAD_PARALLEL_FORWARDS:
+        if adapter is not None and adapter.native is None:  # every op of a native family is head-parallel
             raise ValueError(
                 f"{path} ({kind}): its {adapter.family} adapter runs the layer's recurrence on the shard's tokens "
                 "alone (per sample, not through packfree's routed ops, the ones that run head-parallel over the whole "

@@ -11,8 +11,9 @@ import pytest
 import transformers
 
 from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters
-from packfree_plugin.adapters.routes import OPTIONAL_KERNELS, ROUTED_KERNELS
-from packfree_plugin.classes import CLASSES, routed_functions
+from packfree_plugin.adapters.seam import routed_functions
+from packfree_plugin.classes import CLASSES
+from packfree_plugin.ops.family import families
 
 MODELS = Path(transformers.__file__).parent / "models"
 
@@ -61,23 +62,23 @@ def test_every_adapted_layer_class_exists() -> None:
 @pytest.mark.parametrize("module_name", sorted(m for m in routed_functions() if m.split(".")[0] not in ABSENT_HERE))
 def test_every_routed_function_exists(module_name: str) -> None:
     module = importlib.import_module(f"transformers.models.{module_name}")
-    for function, kernel in routed_functions()[module_name].items():
-        assert kernel in ROUTED_KERNELS, f"{function} maps to {kernel}, which packfree has no route for"
-        if kernel not in OPTIONAL_KERNELS:  # fused and decoding kernels may go (5.25 dropped Mamba1's fused one)
+    for function, route in routed_functions()[module_name].items():
+        if not route.optional:  # fused and decoding kernels may go (5.25 dropped Mamba1's fused one)
             assert callable(getattr(module, function, None)), f"{module_name}.{function} is gone"
 
 
 def test_every_class_of_a_native_family_routes_its_own_modeling_module() -> None:
-    """A class of a routed family whose entry names another modeling module (or none) would route nothing where it
-    lives and be refused at every packed call; catch that here."""
-    from packfree_plugin.adapters.routes import native_forward
-
+    """A class of a routing family whose entry names another modeling module (or none) would route nothing where it
+    lives and be refused at every packed call; and one of another family with a modeling module would route nothing
+    at all: catch both here."""
     defined = _defining_modules()
     for name in defined:
         class_entry = CLASSES[name]
-        if class_entry.mixer is not None and registry.ADAPTERS[class_entry.mixer].native is native_forward:
-            assert class_entry.routes is not None, name
-            assert class_entry.routes.module == defined[name].removeprefix("transformers.models."), name
+        family = families().get(class_entry.mixer)
+        if family is not None and family.routes:
+            assert class_entry.modeling == defined[name].removeprefix("transformers.models."), name
+        else:
+            assert class_entry.modeling is None, name
 
 
 def test_every_family_an_entry_names_exists() -> None:
@@ -89,7 +90,7 @@ def test_every_family_an_entry_names_exists() -> None:
 def test_a_missing_routed_function_is_refused(monkeypatch) -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters.routes import install_routes
+    from packfree_plugin.adapters.seam import install_routes
 
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")
     with pytest.raises(ValueError, match=rf"causal_conv1d_fn, .* is missing on transformers {transformers.__version__}"
@@ -101,10 +102,10 @@ def test_a_model_whose_routed_function_vanished_is_refused_at_load_by_name(monke
     """The refusal names the model, the modeling module's function, the release and what to do."""
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters import routes
+    from packfree_plugin.adapters import seam
     from packfree_plugin.cli.tiny import load_model
 
-    routes.uninstall_routes()
+    seam.uninstall_routes()
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")
     with pytest.raises(ValueError, match=r"Lfm2(ForCausalLM|Model) \((model\.)?layers\.\d\.conv\): .*causal_conv1d_fn.* is missing"
                                          r".*wait for a packfree release"):
@@ -116,7 +117,7 @@ def test_a_missing_fused_or_decoding_kernel_is_not_refused(monkeypatch) -> None:
     or decoding kernel (the layer's split path is routed step by step), so its absence refuses nothing."""
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters.routes import install_routes
+    from packfree_plugin.adapters.seam import install_routes
 
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_update")
     assert install_routes(modeling_lfm2) == ["causal_conv1d_fn"]

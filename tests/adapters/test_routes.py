@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import packfree_plugin
 from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters first
 from packfree_plugin.classes import CLASSES
-from packfree_plugin.adapters.routes import native_forward
+from packfree_plugin.adapters.seam import native_forward
 from tests.adapters.test_generic import TINY_HYBRIDS
 from tests.conftest import assert_close
 
@@ -72,7 +72,7 @@ def test_routes_are_transparent_outside_packfree(monkeypatch) -> None:
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         packed_model(input_ids=ids, position_ids=torch.tensor([list(range(6)) * 2]))  # installs the routes
-        from packfree_plugin.adapters.routes import uninstall_routes
+        from packfree_plugin.adapters.seam import uninstall_routes
 
         routed = stock(input_ids=ids, use_cache=False).logits
         uninstall_routes()
@@ -91,37 +91,3 @@ def test_layer_that_routes_nothing_is_refused(monkeypatch) -> None:
     layer = PlainMixer()
     with pytest.raises(ValueError, match="generic tier"):
         native_forward(layer, layer.forward, boundaries, {"hidden_states": torch.zeros(1, 4, 2)})
-
-
-@pytest.mark.parametrize("model_type, package", [("lfm2", "causal_conv1d"), ("qwen3_next", "fla"),
-                                                 ("mamba2", "mamba_ssm")])
-def test_mixers_quarantine_only_where_a_kernel_package_may_run(model_type: str, package: str, monkeypatch) -> None:
-    """The mixer-level non-finite quarantine is for CUDA kernel packages, which do not isolate samples: off CUDA, or
-    on CUDA without the package, only packfree's torch ops run (and isolate by themselves)."""
-    import sys
-    import types
-
-    from packfree_plugin.ops import backends
-    from packfree_plugin.adapters.routes import _kernel_packages, may_reach_kernels
-
-    mixer, _ = NATIVE_CASES[model_type]
-    model = _model(model_type, monkeypatch, native=True)
-    layer = next(m for m in model.modules() if type(m).__name__ == mixer)
-    probe = torch.zeros(1)
-    assert not may_reach_kernels(layer, probe)  # CPU
-    monkeypatch.setattr(backends, "on_cuda", lambda tensor: True)
-    for name in ("causal_conv1d", "fla", "mamba_ssm"):
-        monkeypatch.setitem(sys.modules, name, None)  # not installed: importing it fails
-    backends.load_kernel.cache_clear()
-    try:
-        assert not may_reach_kernels(layer, probe)
-        module, attr = next(target for target in _kernel_packages().values() if target[0].startswith(package))
-        parts = module.split(".")
-        for depth in range(1, len(parts) + 1):  # the package and its parents, importable
-            name = ".".join(parts[:depth])
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-        setattr(sys.modules[module], attr, lambda *args, **kwargs: None)
-        backends.load_kernel.cache_clear()
-        assert may_reach_kernels(layer, probe)
-    finally:
-        backends.load_kernel.cache_clear()

@@ -110,18 +110,40 @@ class _NoQuarantine:
         return final
 
 
-@pytest.mark.parametrize("model_type", sorted(REPRESENTATIVES))
-def test_kernels_that_do_not_isolate_are_covered_by_the_mixer(model_type: str, monkeypatch):
-    """Where a layer may reach a CUDA kernel package (here: it is told so), the native tier quarantines a sample
-    whose mixer input is non-finite before any kernel runs, so isolation does not depend on the kernel (here
-    packfree's own ops with their quarantine taken out)."""
-    import importlib
+KERNEL_FAMILIES = {"mamba2", "qwen3_next", "kimi_linear", "lfm2"}
+"""The families whose ops may call a CUDA kernel package (causal-conv1d, mamba-ssm, fla); the others run packfree's
+torch ops on every device."""
 
-    from packfree_plugin.adapters import mixers
 
-    monkeypatch.setattr(mixers, "may_reach_kernels", lambda layer, probe: True)
-    for name in ("gated_delta.fast", "linear_attention.fast", "selective_scan.fast", "ssd.fast", "lru.fast"):
-        module = importlib.import_module(f"packfree_plugin.ops.{name}")
-        if hasattr(module, "Quarantine"):
-            monkeypatch.setattr(module, "Quarantine", _NoQuarantine)
+def _non_isolating_kernels(monkeypatch) -> None:
+    """Make every op pick a stand-in for its CUDA kernel: packfree's torch path with its quarantine taken out, so
+    that, as fla, mamba-ssm and causal-conv1d may, it mixes a poisoned sample's NaN into its neighbours."""
+    from packfree_plugin.ops.conv import fast as conv_fast, op as conv_op
+    from packfree_plugin.ops.gated_delta import fast as delta_fast, op as delta_op
+    from packfree_plugin.ops.ssd import fast as ssd_fast, op as ssd_op
+
+    for module in (ssd_fast, delta_fast):
+        monkeypatch.setattr(module, "Quarantine", _NoQuarantine)
+
+    def conv_kernel(x, weight, bias=None, seq_idx=None, activation=None):  # [B, C, T], causal_conv1d_fn's contract
+        return conv_fast.causal_conv1d_masked(x.transpose(1, 2), weight, bias, seq_idx=seq_idx,
+                                              activation=activation).transpose(1, 2)
+
+    def ssd_kernel(x, dt, A, B, C, chunk_size, *, seq_idx=None, dt_limit=(0.0, float("inf")), **options):
+        return ssd_fast.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
+                                    **options)
+
+    kernels = {delta_op.FLA_GDN: delta_fast.chunk_gated_delta_rule_torch, delta_op.FLA_KDA: delta_fast.chunk_kda_torch}
+    monkeypatch.setattr(conv_op, "pick_kernel", lambda backend, probe, *target: conv_kernel)
+    monkeypatch.setattr(conv_op, "_kernel_fits", lambda x, weight: True)
+    monkeypatch.setattr(ssd_op, "pick_kernel", lambda backend, probe, *target: ssd_kernel)
+    monkeypatch.setattr(ssd_op, "_KERNEL_DTYPES", (torch.float64, torch.float32))
+    monkeypatch.setattr(delta_op, "_pick", lambda backend, q, target: kernels[target])
+
+
+@pytest.mark.parametrize("model_type", sorted(KERNEL_FAMILIES))
+def test_ops_isolate_around_kernels_that_do_not(model_type: str, monkeypatch):
+    """Where an op picks a CUDA kernel package, the op quarantines a sample whose inputs are non-finite before the
+    kernel runs, so isolation does not depend on the kernel (here: stand-ins that mix NaN across samples)."""
+    _non_isolating_kernels(monkeypatch)
     _check(model_type, float("nan"))

@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer routes)
+from packfree_plugin.ops.family import families
 from packfree_plugin.ops import opaque
 from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.ops.gated_delta import chunk_gated_delta_rule, chunk_kda, naive_gated_delta_rule, naive_kda
+
+families()  # declares every family's boundary op
 
 HALF = torch.float16
 H, K, V = 2, 16, 16

@@ -10,11 +10,13 @@ import math
 import pytest
 import torch
 
-import packfree_plugin.adapters.routes  # noqa: F401  (registers the mixer routes)
+from packfree_plugin.ops.family import families
 from packfree_plugin.ops import opaque
 from packfree_plugin.ops.ssd import naive_ssd, ssd_chunk_scan
 
 from .test_real_fla import boundaries_of, close
+
+families()  # declares every family's boundary op
 
 KERNEL = ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 H, P, G, N = 4, 8, 2, 8

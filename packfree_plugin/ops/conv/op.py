@@ -7,6 +7,7 @@ from torch import Tensor
 
 from .._boundary_doc import with_boundary_doc
 from .._dispatch import Backend, pick_kernel
+from .._nonfinite import around_kernel
 from .._seq import resolve_seq_idx
 from .fast import causal_conv1d_masked
 
@@ -76,13 +77,16 @@ def causal_conv1d(
                               validate=validate)
     kernel = pick_kernel(backend, x, *KERNEL)
     if kernel is not None and (backend == "kernel" or _kernel_fits(x, weight)):
-        x_cl = x.contiguous().transpose(1, 2)  # [B, C, T] view, stride(1) == 1
-        out = kernel(
-            x_cl,
-            weight.contiguous(),
-            bias=None if bias is None else bias.contiguous(),
-            seq_idx=None if seq_idx is None else seq_idx.contiguous(),
-            activation=activation,
-        )
-        return out.transpose(1, 2)
+        def run(x: Tensor) -> Tensor:
+            x_cl = x.contiguous().transpose(1, 2)  # [B, C, T] view, stride(1) == 1
+            out = kernel(
+                x_cl,
+                weight.contiguous(),
+                bias=None if bias is None else bias.contiguous(),
+                seq_idx=None if seq_idx is None else seq_idx.contiguous(),
+                activation=activation,
+            )
+            return out.transpose(1, 2)
+
+        return around_kernel(seq_idx, [(x, 1)], run)
     return causal_conv1d_masked(x, weight, bias, seq_idx=seq_idx, activation=activation)

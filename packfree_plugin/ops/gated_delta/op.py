@@ -9,11 +9,13 @@ assertion.
 
 from __future__ import annotations
 
-from .._boundary_doc import with_boundary_doc
+from collections.abc import Callable
 
 import torch
 
+from .._boundary_doc import with_boundary_doc
 from .._dispatch import Backend, pick_kernel
+from .._nonfinite import Quarantine
 from .fast import _validate, chunk_gated_delta_rule_torch, chunk_kda_torch
 
 __all__ = ["chunk_gated_delta_rule", "chunk_kda"]
@@ -36,6 +38,21 @@ def _pick(backend: Backend, q: torch.Tensor, target: tuple[str, str]):
         raise ValueError(f"backend='kernel': fla's {target[1]} takes a key head dim K <= {_FLA_MAX_HEAD_DIM}, got "
                          f"{q.shape[-1]}; backend='auto' or 'torch' runs it on packfree's torch path")
     return kernel
+
+
+def _isolated(seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None, per_token: tuple[torch.Tensor, ...],
+              initial_state: torch.Tensor | None, kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's ``kernel(q, k, v, g, beta, initial_state)`` with a sample whose inputs or initial state hold a NaN or inf
+    computed on zeros and returned as NaN, final state included (fla does not isolate them:
+    :mod:`packfree_plugin.ops._nonfinite`)."""
+    if seq_idx is None:
+        return kernel(*per_token, initial_state)
+    quarantine = Quarantine(seq_idx, [(t, 1) for t in per_token], initial_state)
+    o, final = kernel(*quarantine.clean(), quarantine.clean_state(initial_state))
+    offsets = cu_seqlens if cu_seqlens is not None else seq_idx.shape[1] * torch.arange(
+        seq_idx.shape[0] + 1, device=seq_idx.device)
+    return quarantine.mark(o), quarantine.mark_states(final, offsets)
 
 
 def _fla_cu_seqlens(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
@@ -87,11 +104,11 @@ def chunk_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, validate=validate,
         )
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False, validate=validate)
-    return fla_fn(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False, validate=validate)
+    return _isolated(seq_idx, cu_seqlens, (q, k, v, g, beta), initial_state, lambda q, k, v, g, beta, state: fla_fn(
+        q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=_fla_cu_seqlens(cu_seqlens),
-    )
+    ))
 
 
 @with_boundary_doc
@@ -148,11 +165,10 @@ def chunk_kda(
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, validate=validate,
         )
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True, validate=validate)
+    seq_idx = _validate(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True, validate=validate)
     extra = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
-    return fla_fn(
-        q, k, v, g, beta, scale=scale,
-        initial_state=None if initial_state is None else initial_state.float(),
+    return _isolated(seq_idx, cu_seqlens, (q, k, v, g, beta), initial_state, lambda q, k, v, g, beta, state: fla_fn(
+        q, k, v, g, beta, scale=scale, initial_state=None if state is None else state.float(),
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=_fla_cu_seqlens(cu_seqlens), **extra,
-    )
+    ))

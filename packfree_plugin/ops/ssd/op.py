@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._boundary_doc import with_boundary_doc
 from .._dispatch import Backend, pick_kernel
+from .._nonfinite import around_kernel
 from .._seq import resolve_seq_idx
 from .fast import ssd_chunked
 
@@ -104,10 +105,13 @@ def ssd_chunk_scan(
                               validate=validate)
     kernel = pick_kernel(backend, x, *KERNEL)
     if kernel is not None and (backend == "kernel" or x.dtype in _KERNEL_DTYPES):
-        return kernel(
-            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-            seq_idx=None if seq_idx is None else seq_idx.contiguous(),
-            dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
-        )
+        def run(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Tensor | None) -> Tensor:
+            return kernel(
+                x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                seq_idx=None if seq_idx is None else seq_idx.contiguous(),
+                dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+            )
+
+        return around_kernel(seq_idx, [(x, 1), (dt, 1), (B, 1), (C, 1), (z, 1)], run)
     return ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                        dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), seq_idx=seq_idx)
