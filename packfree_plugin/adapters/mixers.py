@@ -22,7 +22,7 @@ import re
 from torch import nn
 
 from ..classes import entry_of
-from ..forward.context import boundaries_here, current
+from ..forward.context import current, enter_mixer, pop
 from ..forward.keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..forward.signature import ForwardParameters
 from . import encoders, families  # noqa: F401 - they fill the adapters by family
@@ -43,20 +43,23 @@ def _mixer_forward(layer: nn.Module, *args, **kwargs):
         # layer's own (what the full check below concludes, at the cost of binding the call in every layer)
         return original(*args, **kwargs)
     arguments = own_parameters(layer).bind(args, kwargs)
-    boundaries = boundaries_here(kwargs, rows=arguments.get(adapter.hidden_arg))
-    if adapter.attention is not None:
-        return attention_forward(layer, adapter, original, boundaries, arguments)
-    if boundaries is None or not (boundaries.is_packed or boundaries.has_padding):
-        # one sample per row, or rows that are not this forward's: the layer's own forward is exact; boundary
-        # inputs would only make transformers' kernel fallbacks refuse the call
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
-    if not boundaries.is_packed and any(arguments.get(name) is not None for name in CACHE_ARGUMENTS):
-        # an ordinary padded batch with the model's cache (default use_cache, a prefill in generate()):
-        # one sample per row, so the layer's own forward, which fills the cache as stock does, is exact
-        return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
-    if adapter.native is not None:  # its ops keep a sample's NaN or inf out of the others, whichever kernel runs
-        return adapter.native(layer, original, boundaries, arguments)
-    return run_generic(adapter, layer, original, boundaries, arguments)
+    boundaries, pushed = enter_mixer(kwargs, rows=arguments.get(adapter.hidden_arg))
+    try:
+        if adapter.attention is None and (
+                boundaries is None or not (boundaries.is_packed or boundaries.has_padding)
+                or not boundaries.is_packed and any(arguments.get(name) is not None for name in CACHE_ARGUMENTS)):
+            # one sample per row, or rows that are not this forward's; or an ordinary padded batch with the model's
+            # cache (default use_cache, a prefill in generate()): the layer's own forward is exact (and fills the
+            # cache as stock does); boundary inputs would only make transformers' kernel fallbacks refuse the call
+            return original(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
+        if adapter.native is not None:  # its ops keep a sample's NaN or inf out of the others, whichever kernel runs
+            return adapter.native(layer, original, boundaries, arguments)
+        if adapter.attention is not None:
+            return attention_forward(layer, adapter, original, boundaries, arguments)
+        return run_generic(adapter, layer, original, boundaries, arguments)
+    finally:
+        if pushed:
+            pop()
 
 
 def wrap_mixers(model: nn.Module) -> list[tuple[str, str]]:

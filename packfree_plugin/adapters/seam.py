@@ -32,7 +32,7 @@ from torch import nn
 from .. import compat
 from ..boundaries import Boundaries
 from ..classes import CLASSES
-from ..forward.context import current, pop, push_unless_on_top, stack_depth
+from ..forward.context import current, stack_depth
 from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..ops.family import KernelRoute, MixerFamily, families
 
@@ -87,8 +87,8 @@ def _route(route: KernelRoute, original: Callable, *args: Any, **kwargs: Any) ->
 
 
 def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries, arguments: dict[str, Any]) -> Any:
-    """Run ``layer``'s own forward on the packed rows ``boundaries`` describe, its kernel calls routed to its
-    family's ops; ``arguments``: the forward's bound arguments."""
+    """Run ``layer``'s own forward on the packed rows ``boundaries`` describe (the stack's top: the mixer entry puts
+    them there), its kernel calls routed to its family's ops; ``arguments``: the forward's bound arguments."""
     arguments = dict(arguments)
     extra = {k: v for k, v in arguments.pop("kwargs", {}).items() if k not in PACKFREE_KWARGS}
     if any(arguments.get(name) is not None for name in CACHE_ARGUMENTS):
@@ -98,15 +98,12 @@ def native_forward(layer: nn.Module, original: Callable, boundaries: Boundaries,
     if type(layer).__module__ not in _INSTALLED:  # routes were removed (unregister) since the model was prepared
         routed_kernels_of(layer)
     outer = (_CALL.layer, _CALL.depth, _CALL.mixed)
-    pushed = push_unless_on_top(boundaries)
     _CALL.layer, _CALL.depth, _CALL.mixed = type(layer).__name__, stack_depth(), 0
     try:
         out = original(**arguments, **extra)
         mixed = _CALL.mixed
     finally:
         _CALL.layer, _CALL.depth, _CALL.mixed = outer
-        if pushed:
-            pop()
     if mixed <= 0:
         raise ValueError(f"{type(layer).__name__} routed none of its sequence mixing through a known kernel "
                          "function; it needs the generic tier")

@@ -23,6 +23,7 @@ __all__ = [
     "boundaries_here",
     "current",
     "enter_layer",
+    "enter_mixer",
     "fits",
     "in_prepared_forward",
     "is_prepared",
@@ -148,6 +149,14 @@ def boundaries_here(kwargs: dict[str, Any] | None = None, *, rows: Any = _ANY_RO
     if rows is not _ANY_ROWS and not fits(boundaries, rows):
         return None
     return boundaries
+
+
+def enter_mixer(kwargs: dict[str, Any], *, rows: Any) -> tuple[Boundaries | None, bool]:
+    """A covered mixer starts: its boundaries (:func:`boundaries_here` of its ``kwargs`` and input ``rows``), put in
+    effect on the stack for what it calls (its routed kernel functions read the top), and whether that pushed them
+    (pair a True with :func:`pop` in a ``finally``)."""
+    boundaries = boundaries_here(kwargs, rows=rows)
+    return boundaries, boundaries is not None and push_unless_on_top(boundaries)
 
 
 def fits(boundaries: Boundaries, tokens: Any) -> bool:
