@@ -26,7 +26,7 @@ from torch import nn
 from ..boundaries import Boundaries
 
 __all__ = ["KernelRoute", "MixerFamily", "NativeForward", "declines", "decoding_only", "families", "flat_rows",
-           "positions_per_sample", "refuse_state"]
+           "like_value", "positions_per_sample", "refuse_state"]
 
 Route = Callable[..., Any]
 """``(boundaries, layer_name, *args, **kwargs) -> what the transformers kernel returns``."""
@@ -127,3 +127,9 @@ def positions_per_sample(layer: nn.Module, hidden: torch.Tensor, call: dict[str,
     """``position_ids [n, L]`` restarting at 0 in every sample of a right-padded group ``hidden [n, L, ...]`` (for
     the per-sample tier)."""
     return {"position_ids": torch.arange(hidden.shape[1], device=hidden.device).expand(*hidden.shape[:2])}
+
+
+def like_value(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+    """An empty tensor like ``value``: the output of an attention-like op ``(q, k, v, ...) -> [B, T, H, V]`` (what a
+    compiled graph traces)."""
+    return torch.empty_like(value)

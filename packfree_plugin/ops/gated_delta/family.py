@@ -12,17 +12,13 @@ from ...boundaries import Boundaries, host_of, keep_host, memo
 from .. import opaque
 from .._seq import describe_cu_seqlens
 from ..conv.family import CONV_ROUTES
-from ..family import KernelRoute, MixerFamily, decoding_only, refuse_state
+from ..family import KernelRoute, MixerFamily, decoding_only, like_value, refuse_state
 from ..opaque import TOKENS, Layout, boundary_op
 
 __all__ = ["FAMILIES"]
 
 
-def _like_value(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    return torch.empty_like(value)
-
-
-@boundary_op("chunk_gated_delta_rule", layout=Layout((TOKENS,) * 5, TOKENS), output=_like_value)
+@boundary_op("chunk_gated_delta_rule", layout=Layout((TOKENS,) * 5, TOKENS), output=like_value)
 def gated_delta_op(boundaries: Boundaries, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    g: torch.Tensor, beta: torch.Tensor, *, scale: float | None,
                    use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
@@ -33,7 +29,7 @@ def gated_delta_op(boundaries: Boundaries, query: torch.Tensor, key: torch.Tenso
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-@boundary_op("chunk_kda", layout=Layout((TOKENS,) * 5, TOKENS), output=_like_value)
+@boundary_op("chunk_kda", layout=Layout((TOKENS,) * 5, TOKENS), output=like_value)
 def kda_op(boundaries: Boundaries, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
            beta: torch.Tensor, *, scale: float | None, use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
     """``q/k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]``, ``beta [B, T, H]`` -> ``[B, T, H, V]``."""

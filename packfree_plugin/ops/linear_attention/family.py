@@ -12,17 +12,13 @@ from torch import nn
 
 from ...boundaries import Boundaries
 from .. import opaque
-from ..family import MixerFamily, flat_rows
+from ..family import MixerFamily, flat_rows, like_value
 from ..opaque import PARAMS, TOKENS, Layout, boundary_op
 
 __all__ = ["FAMILIES"]
 
 
-def _like_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    return torch.empty_like(v)
-
-
-@boundary_op("decay_linear_attention", layout=Layout((TOKENS,) * 3 + (PARAMS,), TOKENS), output=_like_value)
+@boundary_op("decay_linear_attention", layout=Layout((TOKENS,) * 3 + (PARAMS,), TOKENS), output=like_value)
 def _decay_linear_attention(boundaries: Boundaries, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, *, scale: float) -> torch.Tensor:
     """``q/k/v [B, T, H, D]``, ``log_decay [H]`` (a constant per-head log decay) -> ``[B, T, H, D]``."""
