@@ -24,9 +24,9 @@ the layer acting on it, which looks the entry up (:func:`entry_of`, :func:`inher
 - ``relative_position_bias``, ``half_width_window``: attention layers that pass T5's relative bias, or their window as
   a half-width (:mod:`.attention.interface`; the bias is cut to the longest sample in :mod:`.adapters.whole_row`);
 - ``tensor_mask``, ``slices_mask``: config classes whose model code works on the attention mask as a tensor, or
-  indexes it (:mod:`.attention.masks`, :mod:`.unpacked`);
+  indexes it (:mod:`.attention.masks`, :mod:`.forward.unpacked`);
 - ``images_per_row``: config classes whose image tensors are ``[B, images, ...]`` (:mod:`.packing.vision`);
-- ``stores_nothing``: cache layers that hold no state, so say nothing of earlier tokens (:mod:`.batch_reading`).
+- ``stores_nothing``: cache layers that hold no state, so say nothing of earlier tokens (:mod:`.forward.reading`).
 
 A new model class, quirk or refusal is one entry here (or one more field on an entry); a new native mixer family is
 one op folder under ``ops/`` with its ``family.py``, named by its classes' entries (docs/layout.md).
@@ -83,7 +83,7 @@ class ClassEntry:
     """What packfree knows about one transformers class (every field but ``notes`` defaults to: nothing)."""
 
     mixer: str | None = None
-    """The family that runs the class on packed rows: a key of :data:`.adapters.entry.ADAPTERS`."""
+    """The family that runs the class on packed rows: a key of :data:`.adapters.registry.ADAPTERS`."""
     modeling: str | None = None
     """Native tier: the class's modeling module (under ``transformers.models``), whose kernel functions its family
     routes (the family's ``routes``, :class:`packfree_plugin.ops.family.MixerFamily`)."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from packfree_plugin.forward import reading as batch_reading, hook as model_entry
+from packfree_plugin.forward import hook, reading
 from packfree_plugin.boundaries import Boundaries
 from tests.helpers import shared_pair
 
@@ -39,9 +39,9 @@ def _generate(model: torch.nn.Module, new_tokens: int, monkeypatch: pytest.Monke
     contents inspected, boundaries built."""
     calls: Counter[str] = Counter()
     with monkeypatch.context() as patch:
-        patch.setattr(model_entry, "_read_batch", _counting(calls, "batch read", model_entry._read_batch))
-        patch.setattr(batch_reading, "cache_holds_tokens",
-                      _counting(calls, "cache inspected", batch_reading.cache_holds_tokens))
+        patch.setattr(hook, "_read_batch", _counting(calls, "batch read", hook._read_batch))
+        patch.setattr(reading, "cache_holds_tokens",
+                      _counting(calls, "cache inspected", reading.cache_holds_tokens))
         patch.setattr(Boundaries, "__init__", _counting(calls, "boundaries built", Boundaries.__init__))
         out = model.generate(**_prompts(), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)

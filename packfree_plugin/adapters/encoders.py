@@ -1,4 +1,4 @@
-"""Encoders whose attention packfree's attention function cannot serve, one adapter per family (see :mod:`.entry`);
+"""Encoders whose attention packfree's attention function cannot serve, one adapter per family (see :mod:`.registry`);
 each class names its family in its entry (:data:`packfree_plugin.classes.CLASSES`).
 
 These BERT-era encoders add the mask to their scores in code of their own (``scores + attention_mask``), build

@@ -102,7 +102,7 @@ def _looks_like_a_mixer(module: nn.Module) -> bool:
 def _takes_no_tokens(module: nn.Module) -> bool:
     """A model whose forward takes neither ``input_ids`` nor ``inputs_embeds`` (an audio or vision tower, on its own
     or inside a multimodal model): its forward builds no boundaries and never takes its parent's
-    (``model_entry._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
+    (``forward.hook._read_batch`` reads tokens), so its layers only ever mix along its own inputs (audio frames,
     patches), never along a packed text row."""
     from transformers import PreTrainedModel
 

@@ -1,6 +1,6 @@
 """The two sides of a packed encoder-decoder forward: the decoder's boundaries, read from ``decoder_position_ids``
 and paired with the encoder's (:class:`~.boundaries.Seq2SeqBoundaries`), and the decoder call that runs on them
-(called from :mod:`.model_entry`)."""
+(called from :mod:`.hook`)."""
 
 from __future__ import annotations
 

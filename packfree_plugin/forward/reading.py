@@ -1,7 +1,7 @@
 """Reading one forward's batch: its :class:`~.boundaries.Boundaries` from the call's bound arguments, and the checks a
 batch must pass (every per-token input shaped like the tokens, checked before any is read; for a packed batch: no
 filled cache, a 2-D mask or none, no loss target that crosses into the next sample). Pure functions of the arguments:
-nothing here reads the per-thread stack or a model (:mod:`.model_entry` calls them)."""
+nothing here reads the per-thread stack or a model (:mod:`.hook` calls them)."""
 
 from __future__ import annotations
 

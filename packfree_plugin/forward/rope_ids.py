@@ -1,5 +1,5 @@
 """Position ids on multimodal-RoPE models: whether a model uses MRoPE, whether a call carries images, and the refusal of
-ids whose form does not fit (read by :mod:`.model_entry` before the boundaries, and by the vision collator)."""
+ids whose form does not fit (read by :mod:`.hook` before the boundaries, and by the vision collator)."""
 
 from __future__ import annotations
 

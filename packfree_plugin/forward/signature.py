@@ -1,5 +1,5 @@
 """Binding a forward's call to its parameters without ``inspect`` at call time (which torch.compile cannot trace),
-and the tensors in a call's arguments. The bottom floor: models (:mod:`.model_entry`), mixers (:mod:`.adapters`) and
+and the tensors in a call's arguments. The bottom floor: models (:mod:`.hook`), mixers (:mod:`.adapters`) and
 sequence parallelism (:mod:`.parallel`) read their calls with it."""
 
 from __future__ import annotations

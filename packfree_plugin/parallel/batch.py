@@ -18,7 +18,7 @@ IGNORE = -100
 def shard_batch(batch: dict[str, torch.Tensor], rank: int, world_size: int, *, causal: bool = True,
                 pad_token_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """This rank's shard of a packed batch (``input_ids`` / ``position_ids`` / ``labels`` or ``shift_labels``
-    ``[B, T]``, as ``DataCollatorWithFlattening`` or :class:`packfree_plugin.PackedCollator` build it; ``cu_seq_lens``
+    ``[B, T]``, as ``DataCollatorWithFlattening`` or :class:`packfree_plugin.packing.PackedCollator` build it; ``cu_seq_lens``
     / ``seq_idx`` are turned into ``position_ids``) -> ``(inputs [B, T'/P], targets [B, T'/P])``.
 
     ``T`` is padded to ``T'``, a multiple of ``world_size``, with one padding sample (positions 0, 1, ...; targets

@@ -1,12 +1,12 @@
 """A shard of one packed row split over a sequence-parallel group, and the whole row's boundaries it carries.
 
 Each rank holds an equal, contiguous shard ``[B, T/P]`` of the same rows. packfree's model hook builds the shard's
-own :class:`Boundaries`, where the shard's first token starts a sample; :mod:`.prepare` attaches a
+own :class:`Boundaries`, where the shard's first token starts a sample; :mod:`.setup` attaches a
 :class:`SequenceShard` holding the whole row's boundaries to them (the ``Boundaries.sequence_shard`` slot), and
 every boundary-aware consumer reads that slot, without importing this package:
 
 - packfree attention, called by Ulysses on the whole row for ``H/P`` heads, runs on :meth:`SequenceShard.whole_row`;
-- a routed mixer op runs head-parallel on it (:meth:`SequenceShard.call`, :mod:`.heads`).
+- a routed mixer op runs head-parallel on it (:meth:`SequenceShard.call`, :mod:`.head_parallel`).
 
 Gradient checkpointing recomputes with the same boundary object, so the attachment holds there too.
 """
@@ -54,5 +54,5 @@ class SequenceShard:
     def call(self, name: str, function: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor | None, ...],
              options: dict[str, Any]) -> torch.Tensor:
         """Run boundary function ``name`` (:mod:`packfree_plugin.ops.opaque`) of a shard's mixer on the whole row, with
-        the route :mod:`.prepare` gave this shard (:func:`.heads.sequence_parallel_call`: head-parallel)."""
+        the route :mod:`.setup` gave this shard (:func:`.head_parallel.sequence_parallel_call`: head-parallel)."""
         return self.mixer_route(self, name, function, tensors, options)
