@@ -25,7 +25,8 @@ def naive_linear_attention(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token reference for :func:`chunk_linear_attention` (same arguments and shapes)."""
+    """Token-by-token reference for :func:`packfree_plugin.ops.linear_attention.fast.chunk_linear_attention`
+    (same arguments and shapes)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale

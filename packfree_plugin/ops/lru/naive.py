@@ -17,7 +17,8 @@ def naive_linear_recurrence(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token reference for :func:`linear_recurrence` (same arguments and shapes)."""
+    """Token-by-token reference for :func:`packfree_plugin.ops.lru.fast.linear_recurrence`
+    (same arguments and shapes)."""
     Bsz, T, D = a.shape
     cdt = accumulation_dtype(b.dtype)
     a, b = a.reshape(Bsz * T, D).to(cdt), b.reshape(Bsz * T, D).to(cdt)
