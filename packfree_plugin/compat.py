@@ -18,7 +18,7 @@ from importlib.metadata import version
 from packaging.version import Version
 
 __all__ = ["NEWEST_TESTED_TRANSFORMERS", "OLDEST_TRANSFORMERS", "TESTED_TRANSFORMERS", "TRANSFORMERS_RANGE",
-           "check_transformers_version", "installed_transformers", "is_untested", "kernel_seam",
+           "check_transformers_version", "installed_series", "installed_transformers", "is_untested", "kernel_seam",
            "unroutable_message"]
 
 OLDEST_TRANSFORMERS = "5.20.0"
@@ -33,6 +33,13 @@ TRANSFORMERS_RANGE = f">={OLDEST_TRANSFORMERS},<{NEXT_UNTESTED_MAJOR}"
 
 logger = logging.getLogger("packfree")
 _said_untested: set[str] = set()
+
+
+def installed_series(distribution: str) -> tuple[int, int]:
+    """The installed release series ``(major, minor)`` of ``distribution`` (``"deepspeed"``, ...), from its metadata:
+    what the integrations compare with the releases they were tested with."""
+    major, minor = version(distribution).split(".")[:2]
+    return int(major), int(minor)
 
 
 def installed_transformers() -> str:

@@ -17,14 +17,14 @@ from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
 from .generic import additive_mask
-from .instance import install, own_forward, own_parameters, uninstall
+from ..forward.instance import install, own_forward, own_parameters, uninstall
 from .whole_row import packed_row_refusal
 
 __all__ = ["dense_additive_mask", "dense_cross_mask", "install_dense_mask", "mark_causal", "uninstall_dense_mask",
            "unmark_causal"]
 
 _TAG = "dense_mask_"
-"""Keeps these instance forwards apart from the other adapters' (:mod:`.instance`)."""
+"""Keeps these instance forwards apart from the other adapters' (:mod:`packfree_plugin.forward.instance`)."""
 _STOCK_IS_CAUSAL = "_packfree_stock_is_causal"
 
 

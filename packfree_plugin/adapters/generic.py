@@ -23,7 +23,7 @@ from transformers.utils import ModelOutput
 from ..boundaries import Boundaries
 from ..forward.keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from ..forward.signature import tensor_leaves
-from .instance import own_parameters
+from ..forward.instance import own_parameters
 from .registry import MixerAdapter
 
 __all__ = ["additive_mask", "attention_forward", "dense_causal_mask", "length_buckets", "run_generic",

@@ -46,13 +46,13 @@ from ..boundaries import Boundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
 from .generic import run_unpacked
-from .instance import install, own_forward, own_parameters, uninstall
+from ..forward.instance import install, own_forward, own_parameters, uninstall
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
 
 __all__ = ["install_numbering", "numbering_of", "uninstall_numbering"]
 
 _TAG = "position_"
-"""Keeps these instance forwards apart from the other adapters' (:mod:`.instance`)."""
+"""Keeps these instance forwards apart from the other adapters' (:mod:`packfree_plugin.forward.instance`)."""
 
 Rule = Callable[[nn.Module, Callable, Boundaries, dict[str, Any]], Any]
 """``(module, own_forward, boundaries, bound_arguments) -> output`` for a packed row."""

@@ -16,13 +16,13 @@ from torch import nn
 
 from ..classes import Refusal, entry_of
 from ..forward.context import boundaries_here
-from .instance import install, own_forward, uninstall
+from ..forward.instance import install, own_forward, uninstall
 
 __all__ = ["install_refusal", "install_sample_bias", "packed_row_refusal", "reads_boundaries_in_layers",
            "uninstall_refusal", "uninstall_sample_bias"]
 
 _TAG = "refused_"
-"""Keeps these instance forwards apart from the other adapters' (:mod:`.instance`)."""
+"""Keeps these instance forwards apart from the other adapters' (:mod:`packfree_plugin.forward.instance`)."""
 
 
 def packed_row_refusal(module: nn.Module) -> Refusal | None:

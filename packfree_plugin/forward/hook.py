@@ -56,6 +56,7 @@ from .loss_inputs import keep_loss_inputs, keep_outside_graph, take_loss_weights
 from .reading import boundaries_for_call, tokens_of
 from .rope_ids import check_rope_ids
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
+from .instance import earlier_forward, install, installed_as, own_forward, uninstall
 from .signature import class_forward_parameters, without_cache
 
 __all__ = ["ModelForward", "add_read_check", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers",
@@ -68,7 +69,8 @@ Call = Callable[..., Any]
 ReadCheck = Callable[[Boundaries], None]
 """``(boundaries) -> None``: raises for boundaries the entry must not run on."""
 
-_EARLIER = "_packfree_earlier_model_forward"
+_TAG = "model_"
+"""Keeps the entry's earlier forward apart from the layer adapters' (:mod:`.instance`)."""
 _STEPS = "_packfree_model_steps"
 _CALL = "_packfree_model_call"
 _TARGETS_CHECKED_BY_STEP = "_packfree_targets_checked_by_step"
@@ -91,17 +93,11 @@ class ModelForward(functools.partial):
     def __wrapped__(self) -> Callable:
         """The model's own forward, bound (what ``typing.get_type_hints`` and ``functools`` unwrapping read)."""
         model = self.args[0]
-        return model.__dict__.get(_EARLIER) or type(model).forward.__get__(model)
+        return earlier_forward(model, tag=_TAG) or type(model).forward.__get__(model)
 
     @property
     def __annotations__(self) -> dict[str, Any]:  # sentence-transformers reads the return type's fields
         return self.__wrapped__.__annotations__
-
-
-def _own_forward(model: nn.Module) -> Callable:
-    """The forward the model had before packfree's entry: one set on the instance earlier, else its class's."""
-    earlier = model.__dict__.get(_EARLIER)
-    return earlier if earlier is not None else functools.partial(type(model).forward, model)
 
 
 def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -116,8 +112,8 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if changed is not None:
                 args, kwargs = changed
         call = model.__dict__.get(_CALL)
-        output = call(model, _own_forward(model), *args, **kwargs) if call is not None else \
-            _own_forward(model)(*args, **kwargs)
+        own = own_forward(model, tag=_TAG)
+        output = call(model, own, *args, **kwargs) if call is not None else own(*args, **kwargs)
         if outermost and not torch.compiler.is_compiling():
             keep_loss_inputs(output, current(), _call_tokens(args, kwargs), weights, kwargs)
         elif outermost and weights:  # compiled: only for weights, which would be lost (a graph break)
@@ -132,27 +128,11 @@ def model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def has_entry(model: nn.Module) -> bool:
     """Whether ``model``'s forward is packfree's entry (directly, or under a wrapper set on the instance later)."""
-    return _entry_holder(model) is not None
-
-
-def _entry_holder(model: nn.Module) -> tuple[Any, str] | None:
-    """``(object, attribute)`` holding ``model``'s entry: the model's ``__dict__["forward"]``, or, where accelerate's
-    hooks wrapped it later, their ``_old_forward``; None without an entry."""
-    forward = model.__dict__.get("forward")
-    if isinstance(forward, ModelForward):
-        return model.__dict__, "forward"
-    if isinstance(model.__dict__.get("_old_forward"), ModelForward):
-        return model.__dict__, "_old_forward"
-    return None
+    return installed_as(model, model_forward) is not None
 
 
 def _install(model: nn.Module) -> bool:
-    if has_entry(model):
-        return False
-    if "forward" in model.__dict__:
-        model.__dict__[_EARLIER] = model.__dict__["forward"]
-    model.__dict__["forward"] = ModelForward(model_forward, model)
-    return True
+    return install(model, model_forward, tag=_TAG, partial=ModelForward)
 
 
 def add_step(model: nn.Module, step: Step) -> None:
@@ -196,16 +176,7 @@ def remove_model_hook(model: nn.Module) -> None:
     """Undo :func:`apply_model_hook` on ``model``: every entry, step, call and layer hook removed, the forwards set on
     instances before packfree's restored."""
     for module in model.modules():
-        holder = _entry_holder(module)
-        earlier = module.__dict__.pop(_EARLIER, None)
-        if holder is not None:
-            owner, name = holder
-            if earlier is not None:
-                owner[name] = earlier
-            elif name == "forward":
-                del owner[name]
-            else:  # accelerate's wrapper calls its _old_forward: the class's forward, bound, as accelerate keeps it
-                owner[name] = functools.partial(type(module).forward, module)
+        uninstall(module, model_forward, tag=_TAG)
         module.__dict__.pop(_STEPS, None)
         module.__dict__.pop(_CALL, None)
         module.__dict__.pop(_TARGETS_CHECKED_BY_STEP, None)

@@ -1,20 +1,30 @@
 """The names packfree reads and registers, defined once: its attention implementation's name, the boundary keywords a
-packed batch passes, and the arguments under which a call carries a cache. Every layer imports them from here (nothing below it)."""
+packed batch passes, and the arguments under which a call carries a cache. Every layer imports them from here
+(nothing below it)."""
 
 from __future__ import annotations
 
-__all__ = ["ATTN_IMPLEMENTATION", "BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "LOSS_WEIGHT_KWARGS", "PACKFREE_KWARGS",
-           "PACKING_KWARGS"]
+__all__ = ["ATTN_IMPLEMENTATION", "BOUNDARY_KWARGS", "CACHE_ARGUMENTS", "CU_SEQ_LENS_KWARGS", "LOSS_WEIGHT_KWARGS",
+           "MAX_LENGTH_KWARGS", "PACKFREE_KWARGS", "PACKING_KWARGS", "PER_TOKEN_BOUNDARY_KWARGS"]
 
 ATTN_IMPLEMENTATION = "packfree"
 """The name packfree registers with transformers: ``from_pretrained(..., attn_implementation="packfree")``."""
 
-BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+CU_SEQ_LENS_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
+"""The boundary keywords in offset form: 1-D ``[N + 1]`` running sums over the flattened ``B * T`` tokens."""
+
+MAX_LENGTH_KWARGS = ("max_length_q", "max_length_k")
+"""The longest sample of each offset form (ints), sent beside :data:`CU_SEQ_LENS_KWARGS`."""
+
+PER_TOKEN_BOUNDARY_KWARGS = ("seq_idx",)
+"""The boundary keywords shaped like the tokens, ``[B, T]``: every token's sample."""
+
+BOUNDARY_KWARGS = (*CU_SEQ_LENS_KWARGS, *MAX_LENGTH_KWARGS, *PER_TOKEN_BOUNDARY_KWARGS)
 """The boundary keywords of a packed batch, as transformers' ``DataCollatorWithFlattening`` and packfree's collators
 send them (``position_ids`` aside: every model takes those, packed or not); the keyword parameters of
 :meth:`.boundaries.Boundaries.from_model_inputs`."""
 
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+PACKING_KWARGS = (*CU_SEQ_LENS_KWARGS, *PER_TOKEN_BOUNDARY_KWARGS)
 """The :data:`BOUNDARY_KWARGS` whose presence alone says a call's rows are packed (``max_length_q/k`` only come with
 ``cu_seq_lens``; ``position_ids`` say so only where they restart inside a row: :mod:`.unpacked`)."""
 

@@ -11,7 +11,7 @@ import torch
 
 from ..boundaries import Boundaries, host_of, id_starts, read_to_host, shape_disagreement
 from ..classes import inherited_entry
-from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, PACKING_KWARGS
+from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, CU_SEQ_LENS_KWARGS, PACKING_KWARGS, PER_TOKEN_BOUNDARY_KWARGS
 from .signature import tensor_leaves
 from .unpacked import has_holes, reads_as_one_sample_per_row
 
@@ -148,13 +148,13 @@ def check_shapes(arguments: dict[str, Any], batch_size: int, seq_len: int, *,
         else:
             raise ValueError(shape_disagreement("position_ids", position_ids, batch_size, seq_len,
                                                 expected="[B, T], [1, T] or [R, B, T] (MRoPE)"))
-    for name in ("attention_mask", "seq_idx", "shift_labels"):
+    for name in ("attention_mask", *PER_TOKEN_BOUNDARY_KWARGS, "shift_labels"):
         value = arguments.get(name)
         if name == "attention_mask" and (not isinstance(value, torch.Tensor) or value.ndim != 2):
             continue  # a prepared 1-D, 3-D or 4-D mask of the caller's own: refused with packed rows, stock's else
         if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != (batch_size, seq_len)):
             raise ValueError(shape_disagreement(name, value, batch_size, seq_len))
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+    for name in CU_SEQ_LENS_KWARGS:
         value = arguments.get(name)
         if value is not None and (not isinstance(value, torch.Tensor) or value.ndim != 1):
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -8,7 +8,7 @@
   sweep proved;
 - any other architecture (a newer transformers, ``trust_remote_code``, a type the sweep found wrong) gets
   the isolation proof (:func:`.proof.prove`) on a small random copy of its own config class, every distinct
-  layer kind kept (:func:`.shrink.proof_configs`: a tiny copy, else the user's config cut in depth and width as
+  layer kind kept (:func:`.copies.proof_configs`: a tiny copy, else the user's config cut in depth and width as
   far as stock builds and runs it); if the copy is not exact, the load fails with a ``ValueError`` naming the
   model type and the modules that went wrong.
 
@@ -142,7 +142,7 @@ def prove_tiny_copy(model: nn.Module):
 def prove_copy(cls: type, config):
     """The isolation proof on a small random copy of class ``cls`` and ``config`` (:class:`.proof.Proof`).
 
-    The copies of :func:`.shrink.proof_configs` are tried in turn, until one builds and runs on stock
+    The copies of :func:`.copies.proof_configs` are tried in turn, until one builds and runs on stock
     transformers (sdpa, else eager) with the proof's samples: a tiny copy, the tiny copy with each layer kind
     twice, the user's config cut in depth and width. A copy stock builds is built with packfree too: a refusal at
     load (a layer packfree cannot run exactly) propagates, whatever the proof's row does on stock. What packfree
@@ -150,7 +150,7 @@ def prove_copy(cls: type, config):
     import torch
 
     from .proof import LENGTHS, alone_outputs, build_pair, build_stock, placeholder_tokens, prove, sample_tokens
-    from .shrink import proof_configs
+    from .copies import proof_configs
 
     failures: list[str] = []
     errors: list[str] = []

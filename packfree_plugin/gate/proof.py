@@ -55,7 +55,7 @@ class Proof:
     reason: str | None = None
     wrong_modules: list[str] = field(default_factory=list)
     leaking_modules: list[str] = field(default_factory=list)
-    copy: str = "a tiny copy"  # which copy of the config was proved (:func:`.shrink.proof_configs`)
+    copy: str = "a tiny copy"  # which copy of the config was proved (:func:`.copies.proof_configs`)
 
     @property
     def kind(self) -> str:

@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import installed_series
+from ..forward.keywords import BOUNDARY_KWARGS
+
 __all__ = ["TESTED", "UlyssesRows", "install", "install_when_imported", "installed", "uninstall"]
 
 TESTED = ((0, 19),)
@@ -46,16 +49,9 @@ _ORIGINAL = "_packfree_original_register_with_transformers"
 _STOCK_MASKLESS = ("sdpa", "flex_attention")
 """Attention implementations that DeepSpeed Ulysses runs causally over the whole gathered row (it drops the mask)."""
 IGNORE = -100
-LAYOUT_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+LAYOUT_KEYS = ("attention_mask", *BOUNDARY_KWARGS)
 """Batch keys that describe the layout :class:`UlyssesRows` rebuilds as ``position_ids`` (dropped from its rows)."""
 logger = logging.getLogger("packfree")
-
-
-def _release() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    major, minor = version("deepspeed").split(".")[:2]
-    return int(major), int(minor)
 
 
 def _ulysses_class() -> type | None:
@@ -72,7 +68,7 @@ def installed() -> bool:
 def install() -> None:
     """Wrap ``UlyssesSPAttentionHF.register_with_transformers`` (imports DeepSpeed's module; idempotent). On a
     release outside :data:`TESTED` it logs a warning and changes nothing."""
-    release = _release()
+    release = installed_series("deepspeed")
     if release not in TESTED:
         logger.warning("packfree: DeepSpeed %s.%s is not a release packfree was tested with (%s); its Ulysses "
                        "registration is left as it is (register packfree's route with "

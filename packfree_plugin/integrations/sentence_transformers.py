@@ -20,6 +20,7 @@ import logging
 import sys
 from typing import Any
 
+from ..compat import installed_series
 from ..forward.keywords import BOUNDARY_KWARGS
 
 __all__ = ["TESTED", "install", "install_if_imported", "installed"]
@@ -29,13 +30,6 @@ TESTED = ((6, 2), (6, 3))
 
 _ORIGINAL = "_packfree_original_can_flatten_inputs"
 logger = logging.getLogger("packfree")
-
-
-def _release() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    major, minor = version("sentence-transformers").split(".")[:2]
-    return int(major), int(minor)
 
 
 def installed() -> bool:
@@ -62,7 +56,7 @@ def install() -> None:
     outside :data:`TESTED` it logs a warning and changes nothing."""
     if installed():
         return
-    release = _release()
+    release = installed_series("sentence-transformers")
     if release not in TESTED:
         tested = ", ".join(f"{major}.{minor}" for major, minor in TESTED)
         logger.warning("packfree: sentence-transformers %s.%s is not a release packfree was tested with (%s); its "

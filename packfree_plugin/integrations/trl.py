@@ -5,9 +5,10 @@ and the reward and GRPO trainers have no padding-free mode. The trainers here ar
 *scoring* forward runs on packed rows. TRL's collators still build their padded batches (a few ``[2B, L]`` integer
 tensors), and all of TRL's loss and metric code still runs on them. Only the model call in between is packed:
 
-1. :class:`PackedRows` reads the call's padded ``attention_mask`` ``[B, L]`` (each row's ones contiguous: right-,
-   left- or both-side padding) and packs the real tokens of its rows into ``R`` rows of ``T`` tokens: one row when
-   no budget is given, else rows of at most ``max_tokens_per_row`` tokens (best-fit decreasing), padded to the fullest.
+1. :class:`~packfree_plugin.integrations.packed_rows.PackedRows` reads the call's padded ``attention_mask``
+   ``[B, L]`` (each row's ones contiguous: right-, left- or both-side padding) and packs the real tokens of its rows
+   into ``R`` rows of ``T`` tokens: one row when no budget is given, else rows of at most ``max_tokens_per_row``
+   tokens (best-fit decreasing), padded to the fullest.
 2. The model runs on the packed rows, with each sample's boundaries (:class:`~packfree_plugin.Boundaries`) and
    positions restarting at 0: each sample gives what it gives alone.
 3. The per-sample outputs go back to the padded layout, so the loss sees the same tensors as TRL's padded path:
@@ -25,26 +26,24 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy
 import torch
 import trl
 from torch import nn
 
-from ..boundaries import Boundaries
 from ..forward.context import is_prepared
-from ..packing import pack_best_fit_decreasing
 from ..forward.keywords import ATTN_IMPLEMENTATION
 from ..forward.signature import class_forward_parameters
+from .packed_rows import PackedRows
 
 __all__ = [
     "PackedDPOTrainer",
     "PackedGRPOTrainer",
     "PackedRewardTrainer",
-    "PackedRows",
+    "PackedRows",  # the layout, from packed_rows.py: TRL's packed forwards are where it is used
     "pack_scoring",
 ]
 
@@ -52,159 +51,6 @@ _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", 
 """The per-token ``[B, L - 1]`` fields of TRL's ``FusedCausalLMOutput``."""
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 _SCORING_ATTR = "_packfree_packed_scoring"
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """Where the real tokens of a padded ``[B, L]`` batch sit in packed ``[R, T]`` rows.
-
-    Attributes:
-        batch_size, length: ``B`` and ``L`` of the padded batch.
-        rows, row_len: ``R`` and ``T`` of the packed rows.
-        padded_index / packed_index: ``[n_tokens]`` flat token indices (over ``B * L`` and ``R * T``) of the same
-            tokens.
-        padded_shifted / packed_shifted: ``[n_predictions]`` flat indices over ``B * (L - 1)`` and ``R * (T - 1)``
-            of the next-token predictions that stay inside a sample (a sample of ``n`` tokens makes ``n - 1``).
-        sample_starts: ``[n_samples]`` flat packed index of every sample's first token.
-        order: ``[n_samples]`` padded row of each packed sample, row-major (padding spans skipped).
-        position_ids: ``[R, T]`` restarting at 0 in every sample (and in each row's padding tail).
-        attention_mask: ``[R, T]``, 0 on the padding tails, or None when no row has one.
-        boundaries: the packed rows' samples and padding tails.
-    """
-
-    batch_size: int
-    length: int
-    rows: int
-    row_len: int
-    padded_index: torch.Tensor
-    packed_index: torch.Tensor
-    padded_shifted: torch.Tensor
-    packed_shifted: torch.Tensor
-    sample_starts: torch.Tensor
-    order: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    boundaries: Boundaries
-
-    @classmethod
-    def of(cls, attention_mask: torch.Tensor, max_tokens_per_row: int | None = None) -> PackedRows:
-        """Pack the rows of a padded ``attention_mask [B, L]`` (1 on real tokens).
-
-        Without ``max_tokens_per_row`` all samples share one row, in batch order. With it, samples go into rows of at
-        most that many tokens (:func:`~packfree_plugin.packing.pack_best_fit_decreasing`; a longer sample raises),
-        keeping batch order inside a row, and every row is padded to the fullest one.
-
-        Raises:
-            ValueError: the mask is not 2-D, a row has no real token, or a row's real tokens are not contiguous.
-        """
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
-            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-            raise ValueError(f"packing reads a 2-D [B, L] padding mask, got {shape}")
-        host = attention_mask.detach().to("cpu") != 0
-        batch_size, length = host.shape
-        positions = torch.arange(length)
-        lengths = host.sum(1)
-        first = torch.where(host, positions, length).amin(1)
-        last = torch.where(host, positions, -1).amax(1)
-        empty = (lengths == 0).nonzero().flatten().tolist()
-        if empty:
-            raise ValueError(f"row {empty[0]} of the batch has no real token (attention_mask all 0): nothing to pack")
-        holey = (last - first + 1 != lengths).nonzero().flatten().tolist()
-        if holey:
-            raise ValueError(
-                f"row {holey[0]}'s real tokens are not contiguous (attention_mask has zeros between ones): "
-                "packfree packs padded rows, one sample per row, and would have to guess this row's samples"
-            )
-        sizes, starts = lengths.tolist(), first.tolist()
-        if max_tokens_per_row is None:
-            bins = [list(range(batch_size))]
-        else:
-            bins = [sorted(members) for members in pack_best_fit_decreasing(sizes, max_tokens_per_row)]
-        row_len = max(sum(sizes[i] for i in members) for members in bins)
-        return cls._lay_out(bins, sizes, starts, length, row_len, attention_mask)
-
-    @classmethod
-    def _lay_out(cls, bins: list[list[int]], sizes: list[int], starts: list[int], length: int, row_len: int,
-                 attention_mask: torch.Tensor) -> PackedRows:
-        indices: dict[str, list[numpy.ndarray]] = {"padded": [], "packed": [], "padded_shifted": [],
-                                                   "packed_shifted": []}
-        position_ids = numpy.zeros((len(bins), row_len), dtype=numpy.int64)
-        offsets, padding, order = [0], [], []
-        for row, members in enumerate(bins):
-            offset = 0
-            for i in members:
-                size, start = sizes[i], starts[i]
-                indices["padded"].append(i * length + start + numpy.arange(size))
-                indices["packed"].append(row * row_len + offset + numpy.arange(size))
-                indices["padded_shifted"].append(i * (length - 1) + start + numpy.arange(size - 1))
-                indices["packed_shifted"].append(row * (row_len - 1) + offset + numpy.arange(size - 1))
-                position_ids[row, offset:offset + size] = numpy.arange(size)
-                offset += size
-                offsets.append(row * row_len + offset)
-                padding.append(False)
-                order.append(i)
-            if offset < row_len:
-                position_ids[row, offset:] = numpy.arange(row_len - offset)
-                offsets.append((row + 1) * row_len)
-                padding.append(True)
-        device = attention_mask.device
-
-        def tensor(values: Sequence[int] | numpy.ndarray) -> torch.Tensor:
-            return torch.as_tensor(numpy.asarray(values, dtype=numpy.int64), device=device)
-
-        flat = {name: tensor(numpy.concatenate(parts)) for name, parts in indices.items()}
-        mask = None
-        if any(padding):
-            keep = numpy.zeros(len(bins) * row_len, dtype=numpy.int64)
-            keep[numpy.concatenate(indices["packed"])] = 1
-            mask = tensor(keep).view(len(bins), row_len).to(attention_mask.dtype)
-        sample_starts = [start for start, pad in zip(offsets, padding) if not pad]
-        return cls(
-            batch_size=len(sizes), length=length, rows=len(bins), row_len=row_len,
-            padded_index=flat["padded"], packed_index=flat["packed"],
-            padded_shifted=flat["padded_shifted"], packed_shifted=flat["packed_shifted"],
-            sample_starts=tensor(sample_starts), order=tensor(order), position_ids=tensor(position_ids),
-            attention_mask=mask,
-            boundaries=Boundaries(offsets, batch_size=len(bins), seq_len=row_len, device=device, padding=padding),
-        )
-
-    @property
-    def padded_tokens(self) -> int:
-        """Tokens a padded forward runs, ``B * L``."""
-        return self.batch_size * self.length
-
-    @property
-    def packed_tokens(self) -> int:
-        """Tokens the packed forward runs, ``R * T``."""
-        return self.rows * self.row_len
-
-    def pack(self, padded: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
-        """``[B, L, ...]`` -> ``[R, T, ...]``: every real token moved to its packed place, ``fill`` elsewhere."""
-        rest = padded.shape[2:]
-        flat = padded.reshape(self.batch_size * self.length, *rest)
-        out = flat.new_full((self.rows * self.row_len, *rest), fill)
-        return out.index_put((self.packed_index,), flat[self.padded_index]).view(self.rows, self.row_len, *rest)
-
-    def unpack_predictions(self, packed: torch.Tensor) -> torch.Tensor:
-        """``[R, T - 1, ...]`` next-token values -> ``[B, L - 1, ...]``, zero (False) where no prediction of a sample
-        lands (padding, each sample's first token, and what a sample's last token would predict in a packed row)."""
-        rest = packed.shape[2:]
-        flat = packed.reshape(self.rows * (self.row_len - 1), *rest)
-        out = flat.new_zeros((self.batch_size * (self.length - 1), *rest))
-        out = out.index_put((self.padded_shifted,), flat[self.packed_shifted])
-        return out.view(self.batch_size, self.length - 1, *rest)
-
-    def packed_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Padded ``labels [B, L]`` -> ``[R, T]``: -100 on padding and at every sample's first token, so no label
-        is predicted across two samples."""
-        packed = self.pack(labels, fill=-100).reshape(-1)
-        packed[self.sample_starts] = -100
-        return packed.view(self.rows, self.row_len)
-
-    def in_row_order(self, per_sample: torch.Tensor) -> torch.Tensor:
-        """``[n_samples, ...]`` values in packed order -> ``[B, ...]`` in the padded batch's row order."""
-        out = per_sample.new_zeros((self.batch_size, *per_sample.shape[1:]))
-        return out.index_put((self.order,), per_sample)
 
 
 # ------------------------------------------------------------------------------------------ set-up checks
@@ -258,20 +104,36 @@ class _Scoring:
     pad_token_id: int
 
 
-def _score_packed(scoring: _Scoring, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+def _is_padded(mask: Any) -> bool:
+    """Whether ``mask`` is a 2-D padding mask ``[B, L]`` with padding: a batch that packing changes."""
+    return isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())
+
+
+def _packed_call(kwargs: dict[str, Any], max_tokens_per_row: int | None, pad_token_id: int, *, position_ids: bool,
+                 not_inputs: tuple[str, ...] = ()) -> tuple[PackedRows, dict[str, Any]]:
+    """The packed rows of a padded call's ``attention_mask`` and the call's keyword arguments on them: its token
+    inputs packed (``input_ids`` filled with ``pad_token_id``), the rows' padding tails as the mask (MoE load
+    balancing reads it too), their positions where ``position_ids``, their boundaries; ``not_inputs`` dropped.
+    Refuses other per-token inputs (:func:`_refuse_unpackable`)."""
     mask = kwargs["attention_mask"]
     _refuse_unpackable(kwargs, mask)
-    rows = PackedRows.of(mask, scoring.max_tokens_per_row)
+    rows = PackedRows.of(mask, max_tokens_per_row)
     call = {name: value for name, value in kwargs.items()
-            if name not in (*_TOKEN_INPUTS, "attention_mask", "packfree_boundaries")}
+            if name not in (*_TOKEN_INPUTS, "attention_mask", "packfree_boundaries", *not_inputs)}
     for name in _TOKEN_INPUTS:
         if kwargs.get(name) is not None:
-            call[name] = rows.pack(kwargs[name], fill=scoring.pad_token_id if name == "input_ids" else 0)
+            call[name] = rows.pack(kwargs[name], fill=pad_token_id if name == "input_ids" else 0)
     if rows.attention_mask is not None:
-        call["attention_mask"] = rows.attention_mask  # the padding tails (MoE load balancing reads it too)
-    if scoring.passes_position_ids:
+        call["attention_mask"] = rows.attention_mask
+    if position_ids:
         call["position_ids"] = rows.position_ids
     call["packfree_boundaries"] = rows.boundaries
+    return rows, call
+
+
+def _score_packed(scoring: _Scoring, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    rows, call = _packed_call(kwargs, scoring.max_tokens_per_row, scoring.pad_token_id,
+                              position_ids=scoring.passes_position_ids)
     output = scoring.original(fused_lm_head=True, labels=rows.packed_labels(labels), **call)
     for name in _PER_TOKEN_FIELDS:
         value = getattr(output, name, None)
@@ -320,9 +182,8 @@ def pack_scoring(model: nn.Module, *, max_tokens_per_row: int | None = None, rol
 
     @functools.wraps(forward)
     def packed_forward(*args: Any, fused_lm_head: bool = False, labels: torch.Tensor | None = None, **kwargs: Any):
-        mask = kwargs.get("attention_mask")
         if (fused_lm_head and labels is not None and not args and kwargs.get("shift_labels") is None
-                and isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
+                and _is_padded(kwargs.get("attention_mask"))):
             return _score_packed(scoring, labels, kwargs)
         return forward(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
 
@@ -417,18 +278,12 @@ class _PackedHeadCall:
         self.pad_token_id = pad_token_id
 
     def __call__(self, **kwargs: Any) -> Any:
-        mask = kwargs.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or bool(mask.all()) or kwargs.get("input_ids") is None:
+        if not _is_padded(kwargs.get("attention_mask")) or kwargs.get("input_ids") is None:
             return self.model(**kwargs)
-        _refuse_unpackable(kwargs, mask)
-        rows = PackedRows.of(mask, self.max_tokens_per_row)
         # TRL hands its per-pair "margin" [B] to the model too (the loss reads it from the batch): it is no model input,
         # and packfree's attention refuses an argument it does not know
-        call = {name: value for name, value in kwargs.items() if name not in ("input_ids", "attention_mask", "margin")}
-        call.update(input_ids=rows.pack(kwargs["input_ids"], fill=self.pad_token_id), position_ids=rows.position_ids,
-                    packfree_boundaries=rows.boundaries)
-        if rows.attention_mask is not None:
-            call["attention_mask"] = rows.attention_mask
+        rows, call = _packed_call(kwargs, self.max_tokens_per_row, self.pad_token_id, position_ids=True,
+                                  not_inputs=("margin",))
         output = self.model(**call)
         samples = rows.order.numel()
         if output.logits.shape[0] != samples:  # index_put would broadcast one score to every sample, silently

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from packfree_plugin.gate import admission
-from packfree_plugin.gate.shrink import proof_configs
+from packfree_plugin.gate.copies import proof_configs
 
 LENGTHS = (6, 9, 5)
 """Packed sample lengths, each longer than the sliding window (4 tokens)."""

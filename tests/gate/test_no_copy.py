@@ -14,7 +14,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from packfree_plugin.gate.admission import NoCopyError, prove_copy
 from packfree_plugin.gate.catalogue import published_values
-from packfree_plugin.gate.shrink import cut_config, shrink_config
+from packfree_plugin.gate.copies import cut_config
+from packfree_plugin.gate.shrink import shrink_config
 from tooling.sweep.render import GATE_CHECKS_FILE
 from tooling.sweep.run import Target, _gate_on, run_target
 

@@ -375,12 +375,13 @@ def test_bad_tensor_arguments_raise(family):
 def test_device_row_masks_equal_the_host_ones(lengths, rows, chunk):
     """A CPU row builds its boundary masks in numpy, other devices in torch: both builders give the same masks
     (CPU tests run the numpy one against the naive reference everywhere else)."""
-    from packfree_plugin.ops.gated_delta.fast import _above_diagonal, _host_causal, _mask_arrays
+    from packfree_plugin.ops.gated_delta.intra_chunk import above_diagonal
+    from packfree_plugin.ops.gated_delta.row_chunks import host_causal, mask_arrays
 
     seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     seq_idx = seq_idx.view(rows, -1)  # rows > 1: each row holds whole samples, indices continue across rows
-    host = _mask_arrays(seq_idx.numpy(), chunk, _host_causal(chunk))
-    device = _mask_arrays(seq_idx, chunk, ~_above_diagonal(chunk, seq_idx.device))
+    host = mask_arrays(seq_idx.numpy(), chunk, host_causal(chunk))
+    device = mask_arrays(seq_idx, chunk, ~above_diagonal(chunk, seq_idx.device))
     assert len(host) == len(device) == 6
     for h, d in zip(host, device):
         assert torch.equal(torch.from_numpy(h), d)

@@ -192,9 +192,9 @@ def tester_config(config):
     their defaults derived from these."""
     import dataclasses
 
-    from packfree_plugin.gate.shrink import (_FFN_NAME, _HEAD_KEYS, _HIDDEN_KEYS, _KV_HEAD_KEYS, _LAYER_KEYS,
-                                             _is_width, _remap_special_ids, _runs_on_tokens, _shrink_layers,
-                                             _without_derived)
+    from packfree_plugin.gate.config_keys import FFN_NAME, HEAD_KEYS, HIDDEN_KEYS, KV_HEAD_KEYS, is_width
+    from packfree_plugin.gate.config_values import rebuilt, remap_special_ids
+    from packfree_plugin.gate.layer_kinds import cut_depth
 
     values = config.to_dict()
     text_config = config.get_text_config(decoder=True)
@@ -204,13 +204,13 @@ def tester_config(config):
     for name, value in text.items():
         if isinstance(value, bool) or not isinstance(value, int):
             continue
-        if name in _HIDDEN_KEYS:
+        if name in HIDDEN_KEYS:
             set_here[name] = TESTER["hidden_size"]
-        elif name in _HEAD_KEYS:
+        elif name in HEAD_KEYS:
             set_here[name] = TESTER["num_attention_heads"]
-        elif name in _KV_HEAD_KEYS and value > 1:
+        elif name in KV_HEAD_KEYS and value > 1:
             set_here[name] = TESTER["num_key_value_heads"]
-        elif _FFN_NAME.search(name) and value > TESTER["intermediate_size"]:
+        elif FFN_NAME.search(name) and value > TESTER["intermediate_size"]:
             set_here[name] = TESTER["intermediate_size"]
         elif name == "vocab_size" and value > TESTER["vocab_size"]:
             set_here[name] = TESTER["vocab_size"]
@@ -220,17 +220,12 @@ def tester_config(config):
     if dataclasses.is_dataclass(text_config):  # settings left to their derived default derive from the new widths
         text.update({field.name: None for field in dataclasses.fields(text_config)
                      if field.default is None and text.get(field.name) is not None and field.name not in set_here
-                     and _is_width(field.name)})
-    shrunk: dict[int, int] = {}
-    for name in _LAYER_KEYS:
-        count = text.get(name)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 2:
-            shrunk.setdefault(count, _shrink_layers(text, count, repeats=2))
-            text[name] = shrunk[count]
-    _remap_special_ids(text, int(text.get("vocab_size") or TESTER["vocab_size"]))
-    for name in ("model_type", "_name_or_path", "transformers_version", "architectures", "dtype"):
+                     and is_width(field.name)})
+    cut_depth(text, repeats=2)
+    remap_special_ids(text, int(text.get("vocab_size") or TESTER["vocab_size"]))
+    for name in ("_name_or_path", "transformers_version", "architectures", "dtype"):
         values.pop(name, None)
-    return _runs_on_tokens(type(config)(**_without_derived(values, config)))
+    return rebuilt(config, values)
 
 
 def _gate_on(cls: type, make_config, *, stock_runs_it: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""The gates fla's delta-rule kernels apply in-kernel, as every implementation here (naive and chunked) applies them."""
+"""KDA's decay gate as fla's kernel applies it in-kernel, for the chunked path (the naive reference has its own)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,7 @@ import torch.nn.functional as F
 
 from .._chunk_layout import compute_dtype
 
-__all__ = ["kda_gate", "l2norm"]
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's in-kernel L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+__all__ = ["kda_gate"]
 
 
 def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,9 +10,9 @@ Per sample and head (``S`` is ``[K, V]``; ``g_t`` is a scalar for Gated DeltaNet
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .._chunk_layout import compute_dtype, host_offsets, row_offsets
-from .gates import kda_gate, l2norm
+from .._reference import accumulation_dtype, sample_spans
 
 __all__ = ["naive_gated_delta_rule", "naive_kda"]
 
@@ -32,22 +32,19 @@ def naive_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token gated delta rule. ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H]`` or
     ``[B, T, H, K]`` (log decay), ``beta [B, T, H]``, ``initial_state [N, H, K, V]``; cu_seqlens as in
-    :func:`packfree_plugin.ops.gated_delta.fast_gated_delta_rule`. Returns ``(o [B, T, H, V], final [N, H, K, V] | None)``."""
+    :func:`packfree_plugin.ops.gated_delta.fast.chunk_gated_delta_rule_torch`. Returns
+    ``(o [B, T, H, V], final [N, H, K, V] | None)``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    cdt = compute_dtype(q.dtype)
-    if cu_seqlens is not None:
-        offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device)
-    else:
-        offsets = row_offsets(B, T)
+    cdt = accumulation_dtype(q.dtype)
     q, k, v, g, beta = (x.reshape(B * T, *x.shape[2:]).to(cdt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    if use_qk_l2norm_in_kernel:  # fla's in-kernel norm: x / sqrt(sum(x^2) + 1e-6)
+        q, k = (x / torch.sqrt(x.pow(2).sum(dim=-1, keepdim=True) + 1e-6) for x in (q, k))
     outs, finals = [], []
-    for i in range(len(offsets) - 1):
+    for i, (start, end) in enumerate(sample_spans(cu_seqlens, B, T)):
         S = q.new_zeros(H, K, V) if initial_state is None else initial_state[i].to(cdt)
-        for t in range(offsets[i], offsets[i + 1]):
+        for t in range(start, end):
             decay = torch.exp(g[t])  # [H] or [H, K]
             S = S * (decay[:, None, None] if decay.dim() == 1 else decay[:, :, None])
             pred = torch.einsum("hk,hkv->hv", k[t], S)
@@ -74,9 +71,13 @@ def naive_kda(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA (per-channel ``g [B, T, H, K]``), optionally with the in-kernel gate."""
+    """Token-by-token KDA (per-channel ``g [B, T, H, K]``), optionally with the in-kernel gate
+    ``-exp(A_log[h]) * softplus(g + dt_bias[h, k])`` (``A_log [H]``, ``dt_bias [H*K]`` or None)."""
     if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias)
+        H, K = g.shape[-2:]
+        cdt = accumulation_dtype(g.dtype)
+        shifted = g.to(cdt) if dt_bias is None else g.to(cdt) + dt_bias.to(cdt).reshape(H, K)
+        g = -A_log.to(cdt).reshape(H, 1).exp() * F.softplus(shifted)
     return naive_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                   output_final_state=output_final_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)

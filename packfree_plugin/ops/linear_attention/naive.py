@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._chunk_layout import compute_dtype, host_offsets, row_offsets
+from .._reference import accumulation_dtype, sample_spans
 
 __all__ = ["naive_linear_attention"]
 
@@ -25,20 +25,20 @@ def naive_linear_attention(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token reference for :func:`chunk_linear_attention` (same arguments and shapes)."""
+    """Token-by-token reference for :func:`packfree_plugin.ops.linear_attention.fast.chunk_linear_attention`
+    (same arguments and shapes)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    cdt = compute_dtype(q.dtype)
-    offsets = host_offsets(cu_seqlens, batch=B, total=T, device=q.device) if cu_seqlens is not None else row_offsets(B, T)
+    cdt = accumulation_dtype(q.dtype)
     q, k, v = (x.reshape(B * T, H, -1).to(cdt) for x in (q, k, v))
     lam = g.reshape(B * T, H).to(cdt) if g is not None else q.new_zeros(B * T, H)
     if g_gamma is not None:
         lam = lam + g_gamma.to(cdt)
     outs, finals = [], []
-    for i in range(len(offsets) - 1):
+    for i, (start, end) in enumerate(sample_spans(cu_seqlens, B, T)):
         S = q.new_zeros(H, K, V) if initial_state is None else initial_state[i].to(cdt)
-        for t in range(offsets[i], offsets[i + 1]):
+        for t in range(start, end):
             S = torch.exp(lam[t])[:, None, None] * S + torch.einsum("hk,hv->hkv", k[t], v[t])
             outs.append(torch.einsum("hk,hkv->hv", q[t] * scale, S))
         finals.append(S)

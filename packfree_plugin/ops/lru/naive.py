@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._chunk_layout import compute_dtype, host_offsets, row_offsets
+from .._reference import accumulation_dtype, sample_spans
 
 __all__ = ["naive_linear_recurrence"]
 
@@ -17,15 +17,15 @@ def naive_linear_recurrence(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token reference for :func:`linear_recurrence` (same arguments and shapes)."""
+    """Token-by-token reference for :func:`packfree_plugin.ops.lru.fast.linear_recurrence`
+    (same arguments and shapes)."""
     Bsz, T, D = a.shape
-    cdt = compute_dtype(b.dtype)
-    offsets = host_offsets(cu_seqlens, batch=Bsz, total=T, device=a.device) if cu_seqlens is not None else row_offsets(Bsz, T)
+    cdt = accumulation_dtype(b.dtype)
     a, b = a.reshape(Bsz * T, D).to(cdt), b.reshape(Bsz * T, D).to(cdt)
     outs, finals = [], []
-    for i in range(len(offsets) - 1):
+    for i, (start, end) in enumerate(sample_spans(cu_seqlens, Bsz, T)):
         h = a.new_zeros(D) if initial_state is None else initial_state[i].to(cdt)
-        for t in range(offsets[i], offsets[i + 1]):
+        for t in range(start, end):
             h = a[t] * h + b[t]
             outs.append(h)
         finals.append(h)

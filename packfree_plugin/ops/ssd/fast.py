@@ -22,9 +22,19 @@ from torch import Tensor
 from ...boundaries import memo
 from .._kept import kept_per_mode
 from .._nonfinite import Quarantine
-from .naive import process_dt
 
 _NEG_INF = float("-inf")
+
+
+def _preprocessed_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
+    """mamba_ssm's dt preprocessing, ``dt [B, T, H]``: add ``dt_bias [H]``, softplus (identity above 20), clamp
+    to ``dt_limit`` unless it is ``(0, inf)``."""
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = F.softplus(dt, threshold=20.0)
+    low, high = dt_limit
+    return dt if (low, high) == (0.0, math.inf) else dt.clamp(min=low, max=high)
 
 
 _GROUP_BYTES = 1 << 20
@@ -132,7 +142,7 @@ def ssd_chunked(
     if nc == 0:  # no tokens
         return x.new_zeros(x.shape, dtype=out_dtype)
 
-    dt = process_dt(dt, None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
+    dt = _preprocessed_dt(dt, None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     xs, Bs, Cs = x, B, C
     if pad:  # zero dt and x: padded tokens neither write state nor matter (they come last)
         xs = F.pad(x, (0, 0, 0, 0, 0, pad))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def process_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
+def _preprocessed_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
                dt_limit: tuple[float, float]) -> Tensor:
     """mamba_ssm's dt preprocessing: ``+ dt_bias``, softplus (identity above 20), clamp to dt_limit."""
     if dt_bias is not None:
@@ -39,7 +39,7 @@ def naive_ssd(
     h = 0 at every sample start. Shapes as :func:`packfree_plugin.ops.ssd.ssd_chunk_scan`."""
     Bsz, T, H, P = x.shape
     G = B.shape[2]
-    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dt = _preprocessed_dt(dt, dt_bias, dt_softplus, dt_limit)
     rows = []
     for b in range(Bsz):
         ids = None if seq_idx is None else seq_idx[b].tolist()
