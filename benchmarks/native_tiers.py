@@ -2,7 +2,7 @@
 
 MiniMax (lightning attention) and RecurrentGemma (RG-LRU) each get a packed training step (forward and
 backward, float32) of one model with the same weights and row, once with packfree's native forward
-(:mod:`packfree_plugin.adapters.seam`, or the family's own forward in ``ops/<family>/family.py``) and once with the layer's adapter switched to the generic tier,
+(:mod:`packfree_plugin.mixers.seam`, or the family's own forward in ``ops/<family>/family.py``) and once with the layer's adapter switched to the generic tier,
 which unpacks the row and runs the layer per sample. Reported: median step time of each and the ratio.
 ``python -m benchmarks.native_tiers [--quick]``; ``nox -s bench`` runs it with the others.
 """
@@ -34,7 +34,8 @@ def run(quick: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import packfree_plugin
-    from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters
+    from packfree_plugin.mixers import entry as mixers
+    from packfree_plugin.mixers import registry  # noqa: F401 - mixers fills the adapters
     from packfree_plugin.classes import CLASSES
 
     packfree_plugin.register()

@@ -256,7 +256,7 @@ class Boundaries:
         self.sequence_shard: Any = None
         self.callers_position_ids: torch.Tensor | None = None
         """The ``position_ids`` the caller passed with the batch these describe (set by the model hook; None: none
-        passed), which models that number positions themselves honour (:mod:`packfree_plugin.adapters.positions`)."""
+        passed), which models that number positions themselves honour (:mod:`packfree_plugin.quirks.positions`)."""
         if cu_seqlens is not None:
             form = cu_seqlens.to(dtype=torch.int32)
             memo(self, "cu_seqlens", None, lambda: form if form is cu_seqlens else keep_host(

@@ -8,21 +8,21 @@ the layer acting on it, which looks the entry up (:func:`entry_of`, :func:`inher
 
 - ``mixer``: the family of sequence mixers or attention layers with code of their own that runs the class on packed
   rows: a native family declared in its op folder (``ops/<family>/family.py``, :func:`.ops.family.families`), else
-  a key of :data:`.adapters.registry.ADAPTERS` (:mod:`.adapters.families`, :mod:`.adapters.encoders`);
+  a key of :data:`.mixers.registry.ADAPTERS` (:mod:`.mixers.families`, :mod:`.mixers.encoders`);
   ``modeling``: for a native family that routes kernel functions, the class's modeling module, where the family's
-  functions are routed (:mod:`.adapters.seam`);
+  functions are routed (:mod:`.mixers.seam`);
 - ``stock_table``: the class is picked from a table of attention classes by implementation, which gets a
-  ``"packfree"`` entry (:mod:`.adapters.families`);
-- ``mixes_nothing``: looks like a sequence mixer, mixes nothing (:func:`.adapters.mixers.check_coverage`);
-- ``refused``: why packfree cannot run the class exactly on packed rows, raised at load (:mod:`.adapters.mixers`) or
-  by a packed row (:mod:`.adapters.whole_row`, :mod:`.adapters.dense_masks`);
-- ``numbering``: an embedding module that computes positions itself (:mod:`.adapters.positions`);
+  ``"packfree"`` entry (:mod:`.mixers.families`);
+- ``mixes_nothing``: looks like a sequence mixer, mixes nothing (:func:`.mixers.entry.check_coverage`);
+- ``refused``: why packfree cannot run the class exactly on packed rows, raised at load (:mod:`.mixers.entry`) or
+  by a packed row (:mod:`.quirks.whole_row`, :mod:`.quirks.dense_masks`);
+- ``numbering``: an embedding module that computes positions itself (:mod:`.quirks.positions`);
 - ``shifted_decoder_input``: a seq2seq model that shifts this argument right into decoder inputs
-  (:mod:`.adapters.decoder_inputs`);
+  (:mod:`.quirks.decoder_inputs`);
 - ``dense_mask``, ``causal_self_attention``: attention that adds ``attention_mask`` to its scores itself, and decoder
-  layers whose self-attention does not say it is causal (:mod:`.adapters.dense_masks`);
+  layers whose self-attention does not say it is causal (:mod:`.quirks.dense_masks`);
 - ``relative_position_bias``, ``half_width_window``: attention layers that pass T5's relative bias, or their window as
-  a half-width (:mod:`.attention.interface`; the bias is cut to the longest sample in :mod:`.adapters.whole_row`);
+  a half-width (:mod:`.attention.interface`; the bias is cut to the longest sample in :mod:`.quirks.whole_row`);
 - ``tensor_mask``, ``slices_mask``: config classes whose model code works on the attention mask as a tensor, or
   indexes it (:mod:`.attention.masks`, :mod:`.forward.unpacked`);
 - ``images_per_row``: config classes whose image tensors are ``[B, images, ...]`` (:mod:`.packing.vision`);
@@ -83,18 +83,18 @@ class ClassEntry:
     """What packfree knows about one transformers class (every field but ``notes`` defaults to: nothing)."""
 
     mixer: str | None = None
-    """The family that runs the class on packed rows: a key of :data:`.adapters.registry.ADAPTERS`."""
+    """The family that runs the class on packed rows: a key of :data:`.mixers.registry.ADAPTERS`."""
     modeling: str | None = None
     """Native tier: the class's modeling module (under ``transformers.models``), whose kernel functions its family
     routes (the family's ``routes``, :class:`packfree_plugin.ops.family.MixerFamily`)."""
     stock_table: StockTable | None = None
     """The table of attention classes its model picks the class from."""
     mixes_nothing: bool = False
-    """Matches the mixer heuristics (:func:`.adapters.mixers.check_coverage`) but mixes nothing along the sequence."""
+    """Matches the mixer heuristics (:func:`.mixers.entry.check_coverage`) but mixes nothing along the sequence."""
     refused: Refusal | None = None
     """Why packfree cannot run the class exactly on packed rows."""
     numbering: str | None = None
-    """Embedding module: the name of its rule in :data:`.adapters.positions.RULES` (``after_padding_idx``,
+    """Embedding module: the name of its rule in :data:`.quirks.positions.RULES` (``after_padding_idx``,
     ``position_buffer``, ``by_shape``, ``per_sample``)."""
     shifted_decoder_input: str | None = None
     """Seq2seq model: the argument its forward shifts right into ``decoder_input_ids`` when none are given."""

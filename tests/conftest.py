@@ -119,9 +119,9 @@ def _isolated(request: pytest.FixtureRequest) -> Iterator[None]:
     from transformers.masking_utils import AttentionMaskInterface
 
     import packfree_plugin
-    from packfree_plugin.adapters.registry import ADAPTERS
+    from packfree_plugin.mixers.registry import ADAPTERS
     from packfree_plugin.classes import CLASSES
-    from packfree_plugin.adapters import seam
+    from packfree_plugin.mixers import seam
     from packfree_plugin.forward import context
 
     torch.manual_seed(SEED)

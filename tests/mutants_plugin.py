@@ -29,7 +29,7 @@ MUTANT_UNDER_TEST = "MUTANT_UNDER_TEST"
 """mutmut's variable: ``module.x_function__mutmut_N`` while a mutant runs (set in the worker it forks, so read at
 each run); ``stats``, ``fail`` or empty in its other runs."""
 
-_ENTRY = ["tests/test_batch_reading.py", "tests/test_model_entry.py", "tests/adapters/test_model_hook.py",
+_ENTRY = ["tests/test_batch_reading.py", "tests/test_model_entry.py", "tests/mixers/test_model_hook.py",
           "tests/test_decode_steps.py", "tests/e2e/test_user_inputs.py", "tests/models/test_causal_lm.py",
           "tests/e2e/test_checkpointing.py"]
 _ATTENTION = ["tests/attention/test_segments.py", "tests/attention/test_varlen_routing.py",

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from packfree_plugin.adapters import seam
+from packfree_plugin.mixers import seam
 from packfree_plugin.forward import context
 from packfree_plugin.gate.audit import packed_row
 from tests.conftest import assert_close

@@ -1,5 +1,5 @@
 """Unregistering and releasing restore everything packfree changed. In a fresh interpreter (autoload off), a tiny
-model of every modeling module of the routing table (:func:`packfree_plugin.adapters.seam.routed_functions`) is loaded and
+model of every modeling module of the routing table (:func:`packfree_plugin.mixers.seam.routed_functions`) is loaded and
 run on stock; then ``vars()`` of every transformers object packfree patches is pictured: each routed modeling module
 and the kernel-function modules in it, the modules holding attention-class tables
 (:func:`packfree_plugin.classes.stock_tables`), the attention and mask registries, ``PreTrainedModel``, the import
@@ -60,7 +60,7 @@ def _patched_objects() -> tuple[dict[str, Any], list[str]]:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from packfree_plugin.adapters.seam import routed_functions
+    from packfree_plugin.mixers.seam import routed_functions
     from packfree_plugin.classes import stock_tables
 
     objects: dict[str, Any] = {
@@ -86,7 +86,7 @@ def _patched_objects() -> tuple[dict[str, Any], list[str]]:
 def _routed_model_types() -> list[str]:
     """For each routed modeling module, the tiny catalogue's model type that builds it (its folder, or its text
     model's)."""
-    from packfree_plugin.adapters.seam import routed_functions
+    from packfree_plugin.mixers.seam import routed_functions
     from packfree_plugin.gate.catalogue import CATALOGUE
 
     folders = [name.split(".")[0] for name in routed_functions()]

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_register_is_idempotent_and_unregister_restores() -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters.seam import install_routes, is_routed, uninstall_routes
+    from packfree_plugin.mixers.seam import install_routes, is_routed, uninstall_routes
 
     packfree_plugin.register()
     uninstall_routes()  # an earlier test's model may have routed the module: start from stock's functions

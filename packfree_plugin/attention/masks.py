@@ -101,7 +101,7 @@ def _wants_tensor_mask(config: object) -> bool:
     """Whether the model of ``config`` works on its attention mask as a tensor before its layers (a ``tensor_mask``
     quirk: MPT casts it to bool; Falcon folds its ALiBi bias into it), where the boundaries object would crash. It then
     gets the dense mask of the packed samples (transformers' eager form, O(T^2) as on stock); its attention layers run
-    per sample (:mod:`..adapters.families`) and build their own."""
+    per sample (:mod:`..mixers.families`) and build their own."""
     return switched_on(inherited_entry(config).tensor_mask, config)
 
 
@@ -259,7 +259,7 @@ def _cross_attention_mask(boundaries: Boundaries | None, batch_size: int, q_leng
                           mask_function: Callable | None) -> Seq2SeqBoundaries | None:
     """The mask of a paired seq2seq decoder's cross-attention (a bidirectional mask asked for while the decoder's
     boundaries are in effect, from its rows to the encoder's): the :class:`Seq2SeqBoundaries` themselves (layers that
-    add the mask to their scores themselves, MVP's, turn it into its dense form: ``adapters.dense_masks``). None
+    add the mask to their scores themselves, MVP's, turn it into its dense form: ``quirks.dense_masks``). None
     otherwise."""
     pairing = Seq2SeqBoundaries.of(boundaries)
     if pairing is None or boundaries is not pairing.decoder or getattr(mask_function, "__name__", "") != \

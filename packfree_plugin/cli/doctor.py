@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..adapters.registry import adapter_for
+from ..mixers.registry import adapter_for
 from ..classes import entry_of
 
 __all__ = ["KERNEL_PACKAGES", "LayerPlan", "environment", "parallel_layout", "plan", "position_numbering", "render",
@@ -91,7 +91,7 @@ def plan(target: str, *, device: str | None = None, dtype: torch.dtype | None = 
 
     ``device``/``dtype`` default to CUDA + bfloat16 where CUDA is available, else CPU + float32.
     """
-    from ..adapters.mixers import _looks_like_a_mixer
+    from ..mixers.entry import _looks_like_a_mixer
     from .tiny import auto_class, load_config
 
     run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -198,9 +198,9 @@ def sequence_parallel_support(target: str) -> str:
 def position_numbering(target: str) -> str:
     """How ``target`` (model directory or model type) numbers a lone sample's positions: ``from 0``, ``from
     padding_idx + 1 = N (...)``, ``from N, its position_ids buffer (...)`` or ``not by ids``
-    (:meth:`packfree_plugin.adapters.numbering.Numbering.describe`). Built on the meta device; a position buffer,
+    (:meth:`packfree_plugin.quirks.numbering.Numbering.describe`). Built on the meta device; a position buffer,
     which has no values there, is made again on the CPU by the model's own initialisation."""
-    from ..adapters.positions import numbering_of
+    from ..quirks.positions import numbering_of
     from .tiny import auto_class, load_config
 
     config = load_config(target)

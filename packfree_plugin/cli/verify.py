@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters.positions import numbering_of
+from ..quirks.positions import numbering_of
 from ..gate import bypassed
 from ..gate.audit import AuditResult, audit
 from ..gate.proof import Proof, prove
@@ -31,7 +31,7 @@ class Verdict(AuditResult):
     alone_failure: str | None = None
     """Why the alone comparison could not run (stock failed on a sample alone)."""
     numbering: str = ""
-    """How the model numbers a lone sample's positions (:meth:`~packfree_plugin.adapters.numbering.Numbering.describe`)."""
+    """How the model numbers a lone sample's positions (:meth:`~packfree_plugin.quirks.numbering.Numbering.describe`)."""
 
     @property
     def ok(self) -> bool:

@@ -2,7 +2,7 @@
 reach (a mixer, a position module, a mask or attention function, a routed kernel), read through
 :func:`boundaries_here` (or :func:`current`). The entries that fill it (a model forward, a decoder layer, its
 gradient-checkpoint recomputation) live in :mod:`.hook`; a native mixer call pushes the boundaries it runs on where
-they differ from the top (:mod:`packfree_plugin.adapters.seam`).
+they differ from the top (:mod:`packfree_plugin.mixers.seam`).
 
 The stack lives on a ``threading.local`` rather than in a ``ContextVar``: Dynamo traces reads and pushes
 of the former and breaks the graph on the latter, and these reads happen in every layer.

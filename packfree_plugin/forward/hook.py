@@ -9,9 +9,9 @@ call all run the same steps, in this order:
    switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE refusal, the
    checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
 2. **the steps other layers add**, in the order added (:func:`add_step`): the per-sample decoder inputs of
-   :mod:`packfree_plugin.adapters.decoder_inputs`, the sequence-parallel shard of :mod:`packfree_plugin.parallel.setup`;
+   :mod:`packfree_plugin.quirks.decoder_inputs`, the sequence-parallel shard of :mod:`packfree_plugin.parallel.setup`;
 3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`,
-   :mod:`packfree_plugin.adapters.task_heads`), else the
+   :mod:`packfree_plugin.quirks.task_heads`), else the
    model's own forward (one set on the instance before packfree's, such as accelerate's hooks, else its class's);
 4. **leave**: the outermost entry leaves the batch's boundaries and loss weights (taken out of the call before
    enter) on the output for :mod:`packfree_plugin.loss` (:mod:`.loss_inputs`); pop what enter pushed, if anything,

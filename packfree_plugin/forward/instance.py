@@ -1,5 +1,5 @@
 """A module's forward replaced on the instance, the one way packfree does it: the model entry (:mod:`.hook`) and the
-layer adapters (:mod:`packfree_plugin.adapters`) install ``partial(function, module)`` (``functools.partial`` or a
+layer adapters (:mod:`packfree_plugin.mixers`, :mod:`packfree_plugin.quirks`) install ``partial(function, module)`` (``functools.partial`` or a
 subclass of it: picklable; a deep copy binds to the copy) in the module's ``__dict__``, keep a forward that was set on
 the instance before (accelerate's hooks) as the module's own, and put that back on :func:`uninstall`, also where
 accelerate's hooks wrapped the installed forward later (they keep it as ``_old_forward``).

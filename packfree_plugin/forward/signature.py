@@ -1,5 +1,5 @@
 """Binding a forward's call to its parameters without ``inspect`` at call time (which torch.compile cannot trace),
-and the tensors in a call's arguments. The bottom floor: models (:mod:`.hook`), mixers (:mod:`.adapters`) and
+and the tensors in a call's arguments. The bottom floor: models (:mod:`.hook`), mixers (:mod:`packfree_plugin.mixers`) and
 sequence parallelism (:mod:`.parallel`) read their calls with it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["ForwardParameters", "class_forward_parameters", "tensor_leaves", "wi
 class ForwardParameters:
     """A forward's parameters, read once per class (or instance forward), so that binding a call is plain dict
     work, which torch.compile traces (``inspect`` is not traceable). Used for models here and for mixers in
-    :mod:`.adapters.mixers`."""
+    :mod:`.mixers.entry`."""
 
     names: tuple[str, ...]
     """Named parameters, in order."""

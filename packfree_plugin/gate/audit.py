@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.numbering import quiet
+from ..quirks.numbering import quiet
 from ..forward.signature import tensor_leaves
 
 __all__ = ["AuditResult", "Leak", "audit", "packed_row", "record_outputs", "with_decoder_inputs"]

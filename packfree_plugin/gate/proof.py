@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.numbering import quiet
+from ..quirks.numbering import quiet
 from ..forward.keywords import ATTN_IMPLEMENTATION
 from ..forward.rope_ids import VISUAL_TOKEN_KEYS
 from .audit import audit, record_outputs, with_decoder_inputs

@@ -286,7 +286,7 @@ class UlyssesRows:
 
     def _padded(self, tokens: torch.Tensor, positions: torch.Tensor,
                 labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``[T]`` each -> ``[1, T']`` each, ``T'`` :attr:`length` or the next multiple of :attr:`sp_size`."""
+        """``[T]`` each -> ``[1, T']`` each, ``T'`` ``length`` or the next multiple of ``sp_size`` (the constructor's)."""
         size = tokens.shape[0]
         target = self.length if self.length is not None else size + (-size % self.sp_size)
         if size > target:

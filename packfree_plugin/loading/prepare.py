@@ -4,17 +4,17 @@ prepares).
 It stands above every layer it calls: the load-time gate (:mod:`packfree_plugin.gate`), the model entry
 (:mod:`packfree_plugin.forward.hook`) with the refusal of torch's context parallelism
 (:mod:`packfree_plugin.parallel.torch_cp`) and the adapters that route boundaries into each layer
-(:mod:`packfree_plugin.adapters`).
+(:mod:`packfree_plugin.mixers`, :mod:`packfree_plugin.quirks`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..adapters.task_heads import unwrap_heads, wrap_heads
-from ..adapters.quirks import apply_quirks, remove_quirks
-from ..adapters.whole_row import reads_boundaries_in_layers
-from ..adapters.mixers import check_coverage, unwrap_mixers, wrap_mixers
+from ..quirks.task_heads import unwrap_heads, wrap_heads
+from ..quirks.install import apply_quirks, remove_quirks
+from ..quirks.whole_row import reads_boundaries_in_layers
+from ..mixers.entry import check_coverage, unwrap_mixers, wrap_mixers
 from ..gate import admit
 from ..integrations import sentence_transformers
 from ..forward.hook import add_read_check, apply_model_hook, remove_model_hook

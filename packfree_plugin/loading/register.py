@@ -4,7 +4,7 @@
 and wraps ``PreTrainedModel.post_init`` so that every model built with
 ``attn_implementation="packfree"`` (``from_pretrained``, ``from_config``, a constructor) is prepared by
 :func:`packfree_plugin.apply` as soon as it exists, its attention check so that models choosing their
-attention class from a table of implementations find a ``"packfree"`` entry (:mod:`.adapters.families`), and
+attention class from a table of implementations find a ``"packfree"`` entry (:mod:`.mixers.families`), and
 ``set_attn_implementation``, so that a model switched to ``"packfree"`` after loading is prepared the same way (the
 load-time proof included) or refused with its reason and left as it was, and one switched away from it is released
 (:func:`packfree_plugin.loading.prepare.release`) to run as stock.
@@ -69,10 +69,10 @@ def register() -> None:
     @functools.wraps(original_check)
     def check_attn_implementation(self: PreTrainedModel, *args, **kwargs):
         # runs in PreTrainedModel.__init__, before the model builds its layers: models that pick their attention
-        # class from a table keyed by implementation get their "packfree" entry (adapters.families)
+        # class from a table keyed by implementation get their "packfree" entry (mixers.families)
         implementation = original_check(self, *args, **kwargs)
         if implementation == ATTN_IMPLEMENTATION:
-            from ..adapters.families import add_implementation_entry
+            from ..mixers.families import add_implementation_entry
 
             add_implementation_entry(type(self))
         return implementation
@@ -136,9 +136,9 @@ def apply(model: nn.Module) -> nn.Module:
 
 def unregister() -> None:
     """Remove ``"packfree"`` from transformers, restore ``PreTrainedModel``'s three wrapped methods, the kernel functions
-    of modeling modules that packfree routed (:mod:`.adapters.seam`) and their attention-class tables."""
-    from ..adapters.families import remove_implementation_entries
-    from ..adapters.seam import uninstall_routes
+    of modeling modules that packfree routed (:mod:`.mixers.seam`) and their attention-class tables."""
+    from ..mixers.families import remove_implementation_entries
+    from ..mixers.seam import uninstall_routes
 
     uninstall_routes()
     remove_implementation_entries()

@@ -7,8 +7,8 @@ Classes name their family in :data:`packfree_plugin.classes.CLASSES`; :func:`fam
 new family is one folder and its class entries.
 
 A route receives the boundaries of the call explicitly, as its first argument: the mixer tier that runs the layer
-reads them once (:mod:`packfree_plugin.adapters.mixers`) and the kernel seam hands them on
-(:mod:`packfree_plugin.adapters.seam`).
+reads them once (:mod:`packfree_plugin.mixers.entry`) and the kernel seam hands them on
+(:mod:`packfree_plugin.mixers.seam`).
 """
 
 from __future__ import annotations

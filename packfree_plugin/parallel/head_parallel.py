@@ -87,7 +87,7 @@ def run_head_parallel(shard: SequenceShard, name: str, function: Callable[..., t
 def sequence_parallel_call(shard: SequenceShard, name: str, function: Callable[..., torch.Tensor],
                            tensors: tuple[torch.Tensor | None, ...], options: dict[str, Any]) -> torch.Tensor:
     """:func:`packfree_plugin.ops.opaque.call` for boundaries of a sequence-parallel shard (eager only)."""
-    from ..adapters.seam import running_layer
+    from ..mixers.seam import running_layer
 
     layer = running_layer() or name
     if torch.compiler.is_compiling():

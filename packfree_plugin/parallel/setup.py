@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..adapters.registry import adapter_for
+from ..mixers.registry import adapter_for
 from ..boundaries import Boundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here

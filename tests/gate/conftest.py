@@ -39,7 +39,7 @@ def newest_record(monkeypatch) -> None:
 
 @pytest.fixture
 def roberta_without_positions(monkeypatch) -> None:
-    """RoBERTa as packfree ran it before its numbering quirk (``classes.py``, ``adapters/positions.py``): packed 0-based
+    """RoBERTa as packfree ran it before its numbering quirk (``classes.py``, ``quirks/positions.py``): packed 0-based
     ``position_ids`` shift its positions (numbered from ``padding_idx + 1``), so it is wrong although no sample
     leaks into another: the gate's example of such a model. Not verified, with a fresh verdict cache."""
     from packfree_plugin.classes import CLASSES

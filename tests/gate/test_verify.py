@@ -27,7 +27,7 @@ def test_verify_says_how_the_model_numbers_positions(capsys) -> None:
     on purpose and stay silent about it), beside a model that takes no position ids."""
     import warnings
 
-    from packfree_plugin.adapters.numbering import PositionNumberingWarning
+    from packfree_plugin.quirks.numbering import PositionNumberingWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", PositionNumberingWarning)

@@ -37,7 +37,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packfree_plugin
 from packfree_plugin.ops import backends
 from packfree_plugin.gate.catalogue import CATALOGUE
-from packfree_plugin.adapters.seam import routed_functions
+from packfree_plugin.mixers.seam import routed_functions
 from packfree_plugin.classes import CLASSES
 from packfree_plugin.gate.admission import bypassed
 from packfree_plugin.packing import PackedCollator, pack_best_fit_decreasing

@@ -1,6 +1,6 @@
 """Decoder families with attention forms of their own (issue 9) under packfree against stock transformers.
 
-Each family's attention layer runs per sample under stock attention (``adapters.families``): ALiBi (Bloom, MPT,
+Each family's attention layer runs per sample under stock attention (``mixers.families``): ALiBi (Bloom, MPT,
 Falcon with ``alibi``), per-implementation attention tables (GPT-Neo, Falcon, GIT), attention code of its own
 (GPT-NeoX-Japanese, Doge, OpenAI GPT, XLM/Flaubert), sparse-attention indexers (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4,
 AXK2), Llama 4's chunked attention (the packfree attention function, chunks restarting at every sample), and

@@ -22,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import packfree_plugin
-from packfree_plugin.adapters.mixers import check_coverage
+from packfree_plugin.mixers.entry import check_coverage
 from tests.conftest import assert_close, print_uncaptured
 from packfree_plugin.gate.catalogue import catalogue_config, sized_types
 

@@ -1,4 +1,4 @@
-"""RoBERTa-family numbering, said (``packfree_plugin/adapters/numbering.py``): a packed row whose ``position_ids``
+"""RoBERTa-family numbering, said (``packfree_plugin/quirks/numbering.py``): a packed row whose ``position_ids``
 restart at 0 on a model that numbers a lone sample from ``padding_idx + 1`` warns once per model class, naming the
 module, both numberings and the fix; models that number from 0, and ids that start where the model starts, stay
 silent. The warning is about a real difference: 0-based packed rows are not each sample alone (stock, no ids), and
@@ -23,9 +23,9 @@ import torch
 import transformers
 
 import packfree_plugin
-from packfree_plugin.adapters import numbering
-from packfree_plugin.adapters.numbering import PositionNumberingWarning
-from packfree_plugin.adapters.positions import numbering_of
+from packfree_plugin.quirks import numbering
+from packfree_plugin.quirks.numbering import PositionNumberingWarning
+from packfree_plugin.quirks.positions import numbering_of
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import main_output, prove
 from packfree_plugin.gate.shrink import tiny_config_for

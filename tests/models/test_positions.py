@@ -1,4 +1,4 @@
-"""Per-segment positions (``packfree_plugin/adapters/positions.py``): models that number positions themselves
+"""Per-segment positions (``packfree_plugin/quirks/positions.py``): models that number positions themselves
 (from ``padding_idx + 1``, from the input's shape, from a buffer) or mix neighbouring tokens in their embeddings
 give each packed sample what the model computes for that sample alone, and ordinary unpacked use stays stock.
 
@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import packfree_plugin
-from packfree_plugin.adapters.quirks import apply_quirks
+from packfree_plugin.quirks.install import apply_quirks
 from packfree_plugin.classes import CLASSES, entry_of
 from packfree_plugin.gate import bypassed
 from packfree_plugin.gate.proof import main_output
@@ -30,7 +30,7 @@ TARGETS = [
     ("camembert", "CamembertForMaskedLM"), ("data2vec-text", "Data2VecTextForCausalLM"),
     ("roberta-prelayernorm", "RobertaPreLayerNormForMaskedLM"), ("xlm-roberta-xl", "XLMRobertaXLModel"),
     ("xmod", "XmodForMaskedLM"), ("roberta", "RobertaForTokenClassification"),
-    # ... whose encoders run per sample under their own attention code (adapters/encoders.py)
+    # ... whose encoders run per sample under their own attention code (mixers/encoders.py)
     ("ibert", "IBertForMaskedLM"), ("luke", "LukeForMaskedLM"), ("mpnet", "MPNetForMaskedLM"),
     # positions from a buffer
     ("mra", "MraForMaskedLM"), ("nystromformer", "NystromformerForMaskedLM"), ("yoso", "YosoForMaskedLM"),
@@ -183,7 +183,7 @@ def test_the_callers_position_ids_are_honoured(model_type: str, class_name: str,
     beside ``cu_seq_lens``): each sample equals stock run alone with its own slice of those ids (transformers'
     padding-free tests pass RoBERTa 0-based ids). Numbering the samples as if no ids had been passed (packfree's
     earlier rule, planted here) departs from that reference, so the comparison can fail."""
-    from packfree_plugin.adapters import positions
+    from packfree_plugin.quirks import positions
 
     model, stock, implementation = _pair(model_type, class_name)
     rows = _samples(model.config)
@@ -372,7 +372,7 @@ def test_the_gates_proof_gives_each_sample_its_packed_ids(monkeypatch) -> None:
     """The gate's proof compares a packed row that carries ``position_ids`` with each sample run alone with its slice
     of them (and a row without ids with samples alone without ids): RoBERTa is exact in every mode, and an adapter
     that ignores the caller's ids (planted) is caught in the first mode, naming the position embedding."""
-    from packfree_plugin.adapters import positions
+    from packfree_plugin.quirks import positions
     from packfree_plugin.gate.proof import MODES, build_pair, prove
 
     with bypassed():

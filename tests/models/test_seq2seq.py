@@ -213,7 +213,7 @@ def test_t5_builds_the_relative_bias_of_the_longest_sample_not_of_the_row(model_
 
 def _leak_cross_attention(monkeypatch: pytest.MonkeyPatch, model_type: str) -> None:
     """Plant a leak: every decoder token reads its whole encoder row (the other sample's tokens too)."""
-    from packfree_plugin.adapters import dense_masks
+    from packfree_plugin.quirks import dense_masks
     from packfree_plugin.attention import interface
 
     if model_type == "mvp":  # adds the dense cross mask to its scores itself

@@ -45,7 +45,7 @@ from torch import nn
 from ..boundaries import Boundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
-from .generic import run_unpacked
+from ..mixers.generic import run_unpacked
 from ..forward.instance import install, own_forward, own_parameters, uninstall
 from .numbering import Numbering, check_callers_ids, lone_sample_numbering, mark
 

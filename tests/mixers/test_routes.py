@@ -9,10 +9,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import packfree_plugin
-from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters first
+from packfree_plugin.mixers import entry as mixers
+from packfree_plugin.mixers import registry  # noqa: F401 - mixers fills the adapters first
 from packfree_plugin.classes import CLASSES
-from packfree_plugin.adapters.seam import native_forward
-from tests.adapters.test_generic import TINY_HYBRIDS
+from packfree_plugin.mixers.seam import native_forward
+from tests.mixers.test_generic import TINY_HYBRIDS
 from tests.conftest import assert_close
 
 NATIVE_CASES = {  # model type: (mixer class, tiny config)
@@ -72,7 +73,7 @@ def test_routes_are_transparent_outside_packfree(monkeypatch) -> None:
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         packed_model(input_ids=ids, position_ids=torch.tensor([list(range(6)) * 2]))  # installs the routes
-        from packfree_plugin.adapters.seam import uninstall_routes
+        from packfree_plugin.mixers.seam import uninstall_routes
 
         routed = stock(input_ids=ids, use_cache=False).logits
         uninstall_routes()

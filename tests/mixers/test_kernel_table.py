@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import transformers
 
-from packfree_plugin.adapters import mixers, registry  # noqa: F401 - mixers fills the adapters
-from packfree_plugin.adapters.seam import routed_functions
+from packfree_plugin.mixers import entry as mixers
+
+from packfree_plugin.mixers import registry  # noqa: F401 - mixers fills the adapters
+from packfree_plugin.mixers.seam import routed_functions
 from packfree_plugin.classes import CLASSES
 from packfree_plugin.ops.family import families
 
@@ -90,7 +92,7 @@ def test_every_family_an_entry_names_exists() -> None:
 def test_a_missing_routed_function_is_refused(monkeypatch) -> None:
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters.seam import install_routes
+    from packfree_plugin.mixers.seam import install_routes
 
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_fn")
     with pytest.raises(ValueError, match=rf"causal_conv1d_fn, .* is missing on transformers {transformers.__version__}"
@@ -102,7 +104,7 @@ def test_a_model_whose_routed_function_vanished_is_refused_at_load_by_name(monke
     """The refusal names the model, the modeling module's function, the release and what to do."""
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters import seam
+    from packfree_plugin.mixers import seam
     from packfree_plugin.cli.tiny import load_model
 
     seam.uninstall_routes()
@@ -117,7 +119,7 @@ def test_a_missing_fused_or_decoding_kernel_is_not_refused(monkeypatch) -> None:
     or decoding kernel (the layer's split path is routed step by step), so its absence refuses nothing."""
     from transformers.models.lfm2 import modeling_lfm2
 
-    from packfree_plugin.adapters.seam import install_routes
+    from packfree_plugin.mixers.seam import install_routes
 
     monkeypatch.delattr(modeling_lfm2, "causal_conv1d_update")
     assert install_routes(modeling_lfm2) == ["causal_conv1d_fn"]

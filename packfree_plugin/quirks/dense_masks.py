@@ -16,7 +16,7 @@ from torch import nn
 from ..boundaries import Boundaries, Seq2SeqBoundaries
 from ..classes import entry_of
 from ..forward.context import boundaries_here
-from .generic import additive_mask
+from ..mixers.generic import additive_mask
 from ..forward.instance import install, own_forward, own_parameters, uninstall
 from .whole_row import packed_row_refusal
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import packfree_plugin
-from packfree_plugin.adapters.generic import length_buckets, run_unpacked
+from packfree_plugin.mixers.generic import length_buckets, run_unpacked
 from packfree_plugin.boundaries import Boundaries
 from tests.conftest import assert_close
 
@@ -73,7 +73,7 @@ def test_hybrid_packed_row_equals_each_sample_alone(model_type: str) -> None:
 
 
 def test_unknown_sequence_mixer_is_refused_at_load() -> None:
-    from packfree_plugin.adapters.mixers import check_coverage
+    from packfree_plugin.mixers.entry import check_coverage
 
     class MysteryMixer(torch.nn.Module):
         def __init__(self) -> None:
@@ -87,7 +87,7 @@ def test_unknown_sequence_mixer_is_refused_at_load() -> None:
 def test_a_transformers_type_built_by_another_library_is_named_in_the_refusal() -> None:
     """Importing fla registers fla's own Mamba2ForCausalLM for ``mamba2`` with transformers' Auto classes (seen in
     the kernel test mode); packfree refuses its layers and says whose class it is and which one to load instead."""
-    from packfree_plugin.adapters.mixers import check_coverage
+    from packfree_plugin.mixers.entry import check_coverage
 
     class Mamba2(torch.nn.Module):  # fla's layer name
         def __init__(self) -> None:

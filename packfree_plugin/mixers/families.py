@@ -19,7 +19,7 @@ from torch import nn
 from ..classes import stock_tables
 from .generic import dense_causal_mask
 from ..ops.family import families, positions_per_sample
-from .instance import own_parameters
+from ..forward.instance import own_parameters
 from .registry import MixerAdapter, register_adapter
 from .seam import native_tier
 

@@ -28,7 +28,7 @@ from ..forward.signature import ForwardParameters
 from . import encoders, families  # noqa: F401 - they fill the adapters by family
 from .registry import adapter_for
 from .generic import attention_forward, run_generic
-from .instance import install, own_forward, own_parameters, uninstall
+from ..forward.instance import install, own_forward, own_parameters, uninstall
 from .seam import routed_kernels_of
 
 __all__ = ["check_coverage", "unwrap_mixers", "wrap_mixers"]
