@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ...boundaries import host_of, memo
+from .._seq import sample_starts
 
 
 _TILE_BYTES = 1 << 19
@@ -56,12 +57,8 @@ class _Boundary:
                 self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1)
             return
         # rows t >= 1 whose sample started less than K - 1 tokens ago: pos(t) = t - start(t)
-        Bsz = seq_idx.shape[0]
-        ar = torch.arange(T).expand(Bsz, T)
-        first = torch.ones_like(seq_idx, dtype=torch.bool)
-        first[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        start = torch.cummax(torch.where(first, ar, torch.zeros_like(ar)), dim=1).values
-        pos = ar - start
+        start = sample_starts(seq_idx)
+        pos = torch.arange(T) - start
         rows = ((pos < K - 1) & (start > 0)).nonzero()  # [R, 2] (b, t), sorted by b then t
         self.b, self.t = rows[:, 0], rows[:, 1]
         self.pos = pos[self.b, self.t]
