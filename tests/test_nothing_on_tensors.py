@@ -66,7 +66,7 @@ def test_an_op_called_directly_leaves_nothing_on_its_tensors(name: str, monkeypa
     assert_same_grads(out, case.naive(inputs, reference), leaves)
     _bare({case.kind: boundary, **inputs}, name)
     if name in KEEPING:
-        kept = store._kept.get(boundary)
+        kept = store._kept_for(boundary)
         assert kept is not None and kept.derived, f"{name}: nothing derived from {case.kind} is in the store"
 
 
@@ -79,7 +79,7 @@ def test_what_is_kept_about_a_tensor_is_freed_with_it(name: str, monkeypatch: py
     boundary = boundary_tensor(case.kind, "A")
     out = case.run(inputs, {case.kind: boundary})
     torch.autograd.grad(out.sum(), [t for t in inputs.values() if t is not None])
-    assert store._kept.get(boundary) is not None, f"{name}: nothing was kept about {case.kind}"
+    assert store._kept_for(boundary) is not None, f"{name}: nothing was kept about {case.kind}"
     entries = len(store._kept)
     alive = weakref.ref(boundary)
     del boundary, out

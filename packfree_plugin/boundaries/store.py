@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import weakref
+from functools import partial
+
 import numpy
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from .tiling import Boundaries
@@ -26,19 +28,38 @@ _Form = TypeVar("_Form")
 
 
 class _Kept:
-    """What the store holds for one tensor: ``host``, ``(stamp, values)`` of its host copy (or None), and
-    ``derived``, ``name -> (stamp, value)`` of what :func:`memo` built from it."""
+    """What the store holds for one tensor: ``tensor``, a weak reference to it (whose callback drops the entry),
+    ``host``, ``(stamp, values)`` of its host copy (or None), and ``derived``, ``name -> (stamp, value)`` of what
+    :func:`memo` built from it."""
 
-    __slots__ = ("host", "derived")
+    __slots__ = ("tensor", "host", "derived")
 
-    def __init__(self) -> None:
+    def __init__(self, tensor: weakref.ref) -> None:
+        self.tensor = tensor
         self.host: tuple[tuple, numpy.ndarray] | None = None
         self.derived: dict[Hashable, tuple[Hashable, Any]] = {}
 
 
-_kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Tensor -> :class:`_Kept`, keyed by the tensor's identity and holding it weakly: an entry goes with its tensor.
-(No value kept here may hold its own tensor, or the pair would never be freed.)"""
+_kept: dict[int, _Kept] = {}
+"""``id(tensor)`` -> :class:`_Kept`: keyed by the tensor's identity, holding it weakly, and dropped when it is freed
+(a plain dict: a lookup costs a fraction of ``torch.utils.weak.WeakIdKeyDictionary``'s, and every layer makes
+several). No value kept here may hold its own tensor, or the pair would never be freed."""
+
+
+def _drop(store: dict[int, _Kept], key: int, ref: weakref.ref) -> None:
+    """Drop from ``store`` the entry of the freed tensor ``ref`` referred to (not a later tensor's that took its id;
+    ``store`` is passed in: a tensor freed at interpreter exit may outlive the module's globals)."""
+    kept = store.get(key)
+    if kept is not None and kept.tensor is ref:
+        del store[key]
+
+
+def _kept_for(tensor: torch.Tensor) -> _Kept | None:
+    """The store's entry for ``tensor``, or None."""
+    kept = _kept.get(id(tensor))
+    return kept if kept is not None and kept.tensor() is tensor else None
+
+
 _open_batch: list[object | None] = [None]
 """The batch the model entry read (:func:`read_to_host`) and whose forward runs, until :func:`close_batch`: the stamp
 of what is kept about the inference tensors it read. Only stored to at close, never read there, so a compiled
@@ -47,9 +68,10 @@ forward that closes its batch guards on nothing."""
 
 def _kept_of(tensor: torch.Tensor) -> _Kept:
     """The store's entry for ``tensor``, made empty on first use."""
-    kept = _kept.get(tensor)
+    kept = _kept_for(tensor)
     if kept is None:
-        kept = _kept[tensor] = _Kept()
+        key = id(tensor)
+        kept = _kept[key] = _Kept(weakref.ref(tensor, partial(_drop, _kept, key)))
     return kept
 
 
@@ -63,7 +85,7 @@ def _stamp(tensor: torch.Tensor, *, own: bool = False) -> tuple:
     if own:
         return ("own",)
     batch = ("batch", _open_batch[0])
-    kept = _kept.get(tensor)
+    kept = _kept_for(tensor)
     host = None if kept is None else kept.host
     return batch if batch[1] is not None and host is not None and host[0] == batch else ("unseen", object())
 
@@ -129,7 +151,7 @@ def host_of(tensor: torch.Tensor) -> numpy.ndarray:
 
 
 def _kept_host(tensor: torch.Tensor) -> numpy.ndarray | None:
-    kept = _kept.get(tensor)
+    kept = _kept_for(tensor)
     host = None if kept is None else kept.host
     return host[1] if host is not None and host[0] in (("own",), _stamp(tensor)) else None
 

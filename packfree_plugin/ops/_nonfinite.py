@@ -34,7 +34,8 @@ __all__ = ["Quarantine"]
 
 def _sample_heads(seq_idx: Tensor) -> Tensor:
     """``seq_idx [B, T]`` -> ``[B * T]`` long: flat index ``b * T + t0`` of the first token of every token's
-    sample. Kept on the tensor (every layer of a forward passes the same one)."""
+    sample. Kept for the tensor (:func:`~packfree_plugin.boundaries.memo`: every layer of a forward passes the same
+    one)."""
     def build() -> Tensor:
         B, T = seq_idx.shape
         rows = torch.arange(B, device=seq_idx.device)[:, None] * T

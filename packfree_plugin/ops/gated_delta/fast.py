@@ -434,7 +434,8 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     """``((seq, cut, fresh, not_last), cont [M, C], same [M, C, C])`` for rows cut into chunks of ``C``,
     chunk-major as :class:`_ToChunks`: the boundary masks of :func:`_intra_chunk` (padding slots join the row's
     last sample), whether a token continues the sample running before its chunk, and the in-chunk causal
-    same-sample matrix in ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
+    same-sample matrix in ``cdt``. Kept for ``cu_seqlens`` (:func:`~packfree_plugin.boundaries.memo`: every layer of a
+    forward passes the same tensor), so
     they are built once per forward, not once per layer or call. A CPU row builds them in numpy (a fraction of
     torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     def build() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
