@@ -32,6 +32,8 @@ weakly (nothing is written into the tensor): each entry goes with its mask."""
 def is_per_sample_mask(mask: object) -> bool:
     """Whether ``mask`` is a dense mask packfree cut to each sample of a packed row with an overlay."""
     return isinstance(mask, torch.Tensor) and mask in _PER_SAMPLE_MASKS
+
+
 _ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.", "sliding_window_causal_mask_function.",
                    "sliding_window_bidirectional_overlay.", "sliding_window_bidirectional_mask_function.",
