@@ -156,7 +156,7 @@ def mutants(session: nox.Session) -> None:
     pyproject.toml) and runs against each mutant the tests of its module that call the mutated function
     (tests/mutants_plugin.py); prints the score per module and the survivors. Not in CI: run it before a stop that
     changes those modules. ``nox -s mutants`` runs :data:`MUTANTS_SAMPLE`; ``-- "packfree_plugin.boundaries.*"``
-    one module, ``-- NAME`` one mutant, ``-- "*"`` all; ``mutmut show NAME`` (in .nox/mutants) prints a mutant."""
+    one package, ``-- NAME`` one mutant, ``-- "*"`` all; ``mutmut show NAME`` (in .nox/mutants) prints a mutant."""
     _install(session)
     session.install(MUTMUT, TORCH)
     session.run("mutmut", "run", "--max-children", "2", *(session.posargs or [MUTANTS_SAMPLE]), env=MUTANTS_ENV)

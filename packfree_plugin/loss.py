@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .boundaries import Boundaries
+from .boundaries import Boundaries, seq_idx_of
 from .forward.keywords import LOSS_WEIGHT_KWARGS
 from .forward.loss_inputs import loss_inputs_of
 from .forward.reading import boundaries_for_call
@@ -224,9 +224,7 @@ class TargetLayout:
         whole = boundaries if shard is None else shard.whole
         offsets = whole.host_offsets.to(device)
         padding = whole.host_padding.to(device)
-        tokens = torch.zeros(batch_size * whole.seq_len, dtype=torch.int64, device=device)
-        segment_of = tokens.index_add(0, offsets[1:-1], torch.ones_like(offsets[1:-1])).cumsum(0)
-        segment_of = segment_of.view(batch_size, whole.seq_len)
+        segment_of = seq_idx_of(offsets, batch_size * whole.seq_len).view(batch_size, whole.seq_len)
         segment_of = torch.cat([segment_of, segment_of[:, -1:]], dim=1)  # the token after a row's last: itself
         start = 0 if shard is None else shard.rank * boundaries.seq_len
         before = segment_of[:, start:start + length]  # the predicting token's segment

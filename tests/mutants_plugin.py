@@ -37,10 +37,15 @@ _ATTENTION = ["tests/attention/test_segments.py", "tests/attention/test_varlen_r
               "tests/test_mutant_gaps.py"]
 _OPS = ["tests/ops/test_conv.py", "tests/ops/test_ssd.py", "tests/ops/test_gated_delta.py",
         "tests/ops/test_selective_scan.py", "tests/test_mutant_gaps.py"]
+_BOUNDARIES = ["tests/test_boundaries.py", "tests/test_batch_reading.py", "tests/test_host_reads.py",
+               "tests/e2e/test_user_inputs.py", "tests/attention/test_segments.py", "tests/test_mutant_gaps.py"]
+_KEPT = ["tests/test_inplace_refill.py", "tests/ops/test_inplace_refill_ops.py", "tests/test_nothing_on_tensors.py",
+         "tests/test_host_reads.py", "tests/test_boundaries.py"]
 TESTS: dict[str, list[str]] = {
-    "packfree_plugin.boundaries": ["tests/test_boundaries.py", "tests/test_batch_reading.py", "tests/test_host_reads.py",
-                                   "tests/e2e/test_user_inputs.py", "tests/attention/test_segments.py",
-                                   "tests/test_mutant_gaps.py"],
+    **{f"packfree_plugin.boundaries.{module}": _BOUNDARIES for module in ("tiling", "sources", "ids", "messages",
+                                                                          "seq2seq")},
+    "packfree_plugin.boundaries.forms": [*_BOUNDARIES, "tests/loss/test_reductions.py", "tests/ops/test_conv.py"],
+    "packfree_plugin.boundaries.store": _KEPT,
     "packfree_plugin.forward.hook": _ENTRY,
     "packfree_plugin.forward.reading": [*_ENTRY, "tests/test_boundaries.py", "tests/test_host_reads.py"],
     "packfree_plugin.forward.context": _ENTRY,

@@ -4,7 +4,7 @@ no more often than stock on the same samples padded, and packfree itself reads o
 Reads are counted on the CPU by a ``TorchFunctionMode`` that sees every call which hands a tensor's values to Python
 (``item``, ``tolist``, ``numpy``, ``bool()``, ``float()``, ``int()``...), attributed to the innermost caller outside
 torch: packfree's own, or the model's (transformers'). Every counted run starts from fresh copies of the batch, so a
-host copy kept on a tensor by an earlier run hides nothing; and each packed run's loss equals stock's on the samples
+host copy kept for a tensor by an earlier run hides nothing; and each packed run's loss equals stock's on the samples
 padded, so the count is that of a run that computes the right thing.
 """
 

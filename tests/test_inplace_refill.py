@@ -1,6 +1,6 @@
 """A boundary buffer refilled in place: a data loader that reuses its batch tensors (``position_ids``, ``seq_idx``,
 ``cu_seq_lens_q/k`` with ``max_length_q/k``, the tokens, the labels) and writes the next batch into them with
-``copy_``. packfree keeps host copies and derived forms on the tensors it reads (:mod:`packfree_plugin.boundaries`);
+``copy_``. packfree keeps host copies and derived forms of the tensors it reads (:mod:`packfree_plugin.boundaries.store`);
 none may outlive the write. After one forward and backward on batch A's layout, the buffers refilled with batch B's
 (other sample lengths, same shapes) must give what fresh tensors of B give (logits, loss, every parameter gradient)
 and what stock gives on each sample of B alone.
@@ -8,7 +8,7 @@ and what stock gives on each sample of B alone.
 The labels case matters on the CPU: there, the host copy of a tensor read on its own is a view of its storage and
 would follow the write anyway, but the ids read together with the labels (one combined host read, as are
 ``cu_seq_lens_q/k`` with ``max_length_q/k``) get a real copy, as every CUDA tensor does. Under ``torch.inference_mode`` the tensors have no version counter: what packfree keeps
-on them holds for one batch read.
+about them holds for one batch read.
 
 Ops called directly on a refilled boundary tensor: tests/ops/test_inplace_refill_ops.py.
 """
@@ -34,7 +34,7 @@ FORMS = ("position_ids", "seq_idx", "cu_seq_lens")
 """The boundary inputs a batch may carry, each alone (packfree numbers positions from them)."""
 
 INFERENCE_MODELS = ("llama", "mamba2")
-"""Under inference mode, attention and a mixer (forward only: what is kept on the batch's tensors is the same)."""
+"""Under inference mode, attention and a mixer (forward only: what is kept about the batch's tensors is the same)."""
 
 FLOAT32_INSIDE = {"qwen3_next": 1e-5, "mamba2": 1e-5}
 """Stock runs the Gated DeltaNet and SSD paths in float32 even for float64 inputs (tests/models/test_hybrids.py)."""

@@ -25,7 +25,7 @@ from ..classes import entry_of
 from ..forward.context import boundaries_here, current, in_prepared_forward, is_prepared, kept_on
 from ..forward.keywords import BOUNDARY_KWARGS
 from ..ops.opaque import boundary_op
-from .masks import PER_SAMPLE_MASK
+from .masks import is_per_sample_mask
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
 from .varlen import VARLEN_BACKENDS
@@ -235,7 +235,7 @@ def packfree_attention_forward(
             boundaries = boundaries.sequence_shard.whole_row(query.shape[2])
         if boundaries is not None and query.shape[2] == key.shape[2] and position_bias is None:
             return run_packed_attention(query, key, value, boundaries, options, training=training), None
-    if getattr(attention_mask, PER_SAMPLE_MASK, False):  # packfree's own dense mask for a packed overlay
+    if is_per_sample_mask(attention_mask):  # packfree's own dense mask for a packed overlay
         return _masked_attention(module, query, key, value, attention_mask, options, training=training, **kwargs)
     here = current()
     if here is not None and here.is_packed and here.seq_len in (query.shape[2], key.shape[2]):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import cache
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers.masking_utils import and_masks, sdpa_mask
 
 from ..boundaries import Boundaries, Seq2SeqBoundaries
@@ -20,11 +21,19 @@ from ..classes import inherited_entry, switched_on
 from ..forward.context import boundaries_here
 from ..forward.unpacked import slices_its_mask
 
-__all__ = ["PER_SAMPLE_MASK", "packfree_attention_mask"]
+__all__ = ["is_per_sample_mask", "packfree_attention_mask"]
 
-PER_SAMPLE_MASK = "_packfree_per_sample"
-"""Set on the dense mask packfree builds for a packed row whose model overlays a pattern (Gemma3's image blocks):
-stock's mask for the row, cut to each sample, which attention applies as it is."""
+_PER_SAMPLE_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The dense masks packfree built for a packed row whose model overlays a pattern (Gemma3's image blocks): stock's
+mask for the row, cut to each sample, which attention applies as it is. Keyed by the mask's identity and holding it
+weakly (nothing is written into the tensor): each entry goes with its mask."""
+
+
+def is_per_sample_mask(mask: object) -> bool:
+    """Whether ``mask`` is a dense mask packfree cut to each sample of a packed row with an overlay."""
+    return isinstance(mask, torch.Tensor) and mask in _PER_SAMPLE_MASKS
+
+
 _ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.", "sliding_window_causal_mask_function.",
                    "sliding_window_bidirectional_overlay.", "sliding_window_bidirectional_mask_function.",
@@ -185,7 +194,7 @@ def packfree_attention_mask(
                 kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap,
                 **kwargs,
             )
-            setattr(mask, PER_SAMPLE_MASK, True)
+            _PER_SAMPLE_MASKS[mask] = True
             return mask
     if slices_its_mask(kwargs.get("config")):
         # a tensor for the model to cut even where stock sdpa would skip it as causal (a cut mask is no longer causal

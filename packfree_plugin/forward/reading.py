@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..boundaries import Boundaries, host_of, id_starts, read_to_host, shape_disagreement
+from ..boundaries import Boundaries, fits_rows, host_of, id_starts, read_to_host, shape_disagreement
 from ..classes import inherited_entry
 from .keywords import BOUNDARY_KWARGS, CACHE_ARGUMENTS, CU_SEQ_LENS_KWARGS, PACKING_KWARGS, PER_TOKEN_BOUNDARY_KWARGS
 from .signature import tensor_leaves
@@ -142,7 +142,7 @@ def check_shapes(arguments: dict[str, Any], batch_size: int, seq_len: int, *,
     ``cu_seq_lens_q/k``, ``shift_labels``. Returns ``arguments``, without ``position_ids`` where the model ignores
     them (not ``reads_position_ids``) and ids of another shape start no sample: stock runs those, ignoring them."""
     position_ids = arguments.get("position_ids")
-    if isinstance(position_ids, torch.Tensor) and not _fits_rows(position_ids, batch_size, seq_len):
+    if isinstance(position_ids, torch.Tensor) and not fits_rows(position_ids, batch_size, seq_len):
         if not reads_position_ids and not _ids_start_samples(position_ids):
             arguments = {**arguments, "position_ids": None}
         else:
@@ -162,12 +162,6 @@ def check_shapes(arguments: dict[str, Any], batch_size: int, seq_len: int, *,
                              f"flattened B * T = {batch_size * seq_len} tokens (a collator's per-row offsets "
                              "[B, N + 1] concatenated into one running sum)")
     return arguments
-
-
-def _fits_rows(position_ids: torch.Tensor, batch_size: int, seq_len: int) -> bool:
-    """Whether ``position_ids`` are ``[B, T]``, ``[1, T]`` or ``[R, B | 1, T]`` for tokens ``[B, T]``."""
-    return position_ids.ndim in (2, 3) and position_ids.shape[-1] == seq_len and \
-        position_ids.shape[-2] in (1, batch_size)
 
 
 def _ids_start_samples(position_ids: torch.Tensor) -> bool:

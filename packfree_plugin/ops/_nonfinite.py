@@ -33,20 +33,19 @@ import torch
 from torch import Tensor
 
 from ..boundaries import memo
-from ._seq import first_token_mask
+from ._seq import sample_starts
 
 __all__ = ["Quarantine", "around_kernel"]
 
 
 def _sample_heads(seq_idx: Tensor) -> Tensor:
     """``seq_idx [B, T]`` -> ``[B * T]`` long: flat index ``b * T + t0`` of the first token of every token's
-    sample. Kept on the tensor (every layer of a forward passes the same one)."""
+    sample. Kept for the tensor (:func:`~packfree_plugin.boundaries.memo`: every layer of a forward passes the same
+    one)."""
     def build() -> Tensor:
         B, T = seq_idx.shape
-        positions = torch.arange(T, device=seq_idx.device).expand(B, T)
-        start = torch.where(first_token_mask(seq_idx), positions, torch.zeros_like(positions)).cummax(dim=1).values
         rows = torch.arange(B, device=seq_idx.device)[:, None] * T
-        return (start + rows).reshape(-1)
+        return (sample_starts(seq_idx) + rows).reshape(-1)
 
     return memo(seq_idx, "sample_heads", tuple(seq_idx.shape), build)
 

@@ -8,25 +8,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..boundaries import memo
+from ..boundaries import memo, seq_idx_of
 
 __all__ = [
     "cu_seqlens_to_seq_idx",
     "describe_cu_seqlens",
     "first_token_mask",
+    "sample_starts",
     "same_sample_as_previous",
     "resolve_seq_idx",
 ]
 
 
 def cu_seqlens_to_seq_idx(cu_seqlens: Tensor, total_tokens: int) -> Tensor:
-    """``cu_seqlens [N+1]`` -> ``seq_idx [1, T]`` int32 (sample index per token), device-side.
-
-    Empty samples (repeated offsets) simply do not appear in the result.
-    """
-    positions = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    idx = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
-    return idx.to(torch.int32).unsqueeze(0)
+    """``cu_seqlens [N+1]`` -> ``seq_idx [1, T]`` int32 (sample index per token), device-side
+    (:func:`packfree_plugin.boundaries.seq_idx_of`). Empty samples (repeated offsets) simply do not appear in it."""
+    return seq_idx_of(cu_seqlens, total_tokens).to(torch.int32).unsqueeze(0)
 
 
 def first_token_mask(seq_idx: Tensor) -> Tensor:
@@ -34,6 +31,14 @@ def first_token_mask(seq_idx: Tensor) -> Tensor:
     first = torch.ones_like(seq_idx, dtype=torch.bool)
     first[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
     return first
+
+
+def sample_starts(seq_idx: Tensor) -> Tensor:
+    """``seq_idx [B, T]`` -> ``[B, T]`` int64 on its device: the column where every token's sample starts (token
+    ``t``'s position inside its sample is ``t`` minus it)."""
+    B, T = seq_idx.shape
+    columns = torch.arange(T, device=seq_idx.device).expand(B, T)
+    return torch.where(first_token_mask(seq_idx), columns, torch.zeros_like(columns)).cummax(dim=1).values
 
 
 def same_sample_as_previous(seq_idx: Tensor, shift: int) -> Tensor:

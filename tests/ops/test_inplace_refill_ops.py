@@ -1,5 +1,5 @@
 """Every public boundary op called directly on a boundary tensor (``seq_idx`` or ``cu_seqlens``) that is refilled in
-place between two calls: what the op keeps on the tensor (conv slots and boundary rows, SSD masks, Gated DeltaNet
+place between two calls: what the op keeps about the tensor (conv slots and boundary rows, SSD masks, Gated DeltaNet
 masks, the ``seq_idx`` derived from ``cu_seqlens``, the value checks) must follow the write. After a forward and
 backward on layout A, the tensor refilled with layout B gives what a fresh tensor of B gives, forward and every
 gradient, and what the op's naive per-sample reference gives on B; a refill that breaks the contract is refused as a

@@ -31,7 +31,7 @@ def _raised(build) -> BaseException:
 def test_a_packfree_value_error_is_a_refusal_and_any_other_error_a_crash() -> None:
     refusal = _raised(lambda: Boundaries.from_cu_seqlens(torch.tensor([[0, 3]]), batch_size=1, seq_len=3, device="cpu"))
     outcome, detail, where = categorise(refusal, compared=0)
-    assert (outcome, detail.split(":")[0], Path(where).name.split(":")[0]) == ("refused", "ValueError", "boundaries.py")
+    assert (outcome, detail.split(":")[0], Path(where).name.split(":")[0]) == ("refused", "ValueError", "sources.py")
     stock = _raised(lambda: int("not a number"))  # a ValueError raised outside packfree
     assert categorise(stock, compared=0)[0] == "crash"
     assert categorise(_raised(lambda: [][1]), compared=0)[0] == "crash"

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ...boundaries import host_of, memo
+from .._seq import sample_starts
 
 
 _TILE_BYTES = 1 << 19
@@ -56,12 +57,8 @@ class _Boundary:
                 self.masks[s] = (seq_idx[:, s:] == seq_idx[:, :-s]).unsqueeze(-1)
             return
         # rows t >= 1 whose sample started less than K - 1 tokens ago: pos(t) = t - start(t)
-        Bsz = seq_idx.shape[0]
-        ar = torch.arange(T).expand(Bsz, T)
-        first = torch.ones_like(seq_idx, dtype=torch.bool)
-        first[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        start = torch.cummax(torch.where(first, ar, torch.zeros_like(ar)), dim=1).values
-        pos = ar - start
+        start = sample_starts(seq_idx)
+        pos = torch.arange(T) - start
         rows = ((pos < K - 1) & (start > 0)).nonzero()  # [R, 2] (b, t), sorted by b then t
         self.b, self.t = rows[:, 0], rows[:, 1]
         self.pos = pos[self.b, self.t]
@@ -109,7 +106,8 @@ def _keep(t: Tensor, mask: Tensor) -> Tensor:
 
 def _boundary(seq_idx: Tensor | None, T: int, K: int, tile: int) -> _Boundary:
     """The :class:`_Boundary` of ``seq_idx``, built once per tensor and shape: every conv layer of a forward gets
-    the same ``seq_idx``, so the rows are found once, not once per layer (kept on the tensor, freed with it)."""
+    the same ``seq_idx``, so the rows are found once, not once per layer (kept for the tensor by
+    :func:`~packfree_plugin.boundaries.memo`, freed with it)."""
     if seq_idx is None:
         return _Boundary(None, T, K, tile)
     return memo(seq_idx, "conv_boundary", (T, K, tile), lambda: _Boundary(seq_idx, T, K, tile))
@@ -266,8 +264,9 @@ def causal_conv1d_masked(
 
 def _spread(seq_idx: Tensor, K: int) -> tuple[Tensor, int]:
     """``(slots [B * T] long, length)``: token ``j`` of the flattened rows at ``slots[j]`` of a ``length``-token
-    row where K - 1 zero tokens precede every sample. Kept on ``seq_idx`` (every layer of a forward passes the
-    same tensor); CPU only, so it is computed on the host, in numpy (a quarter of torch's per-call cost)."""
+    row where K - 1 zero tokens precede every sample. Kept for ``seq_idx`` (:func:`~packfree_plugin.boundaries.memo`:
+    every layer of a forward passes the same tensor); CPU only, so it is computed on the host, in numpy (a quarter of
+    torch's per-call cost)."""
     def build() -> tuple[Tensor, int]:
         ids = host_of(seq_idx)
         starts = numpy.empty(ids.shape, dtype=bool)

@@ -159,7 +159,7 @@ def _row_masks(seq_idx: torch.Tensor, cu_seqlens: torch.Tensor | None, C: int, c
     chunk-major as :class:`_ToChunks`: the boundary masks of
     :func:`packfree_plugin.ops.gated_delta.intra_chunk._intra_chunk` (padding slots join the row's last sample),
     whether a token continues the sample running before its chunk, and the in-chunk causal same-sample matrix in
-    ``cdt``. Kept on ``cu_seqlens`` (every layer of a forward passes the same tensor), so
+    ``cdt``. Kept for ``cu_seqlens`` (:func:`~packfree_plugin.boundaries.memo`: every layer of a forward passes the same tensor), so
     they are built once per forward, not once per layer or call. A CPU row builds them in numpy (a fraction of
     torch's per-call cost, which a short row pays a dozen times), others on their device (no host sync)."""
     def build() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
