@@ -184,7 +184,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 
-KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops"]
+KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops",
+                   "liger-kernel==0.8.5", "trl>=1.16"]  # tests/kernels/test_liger.py: Liger alone and through TRL
 PYTHON_ONLY = {
     # package: the environment that skips its CUDA build (and the prebuilt-wheel lookup, which needs CUDA torch)
     "mamba-ssm==2.3.2.post1": {"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"},  # Triton kernels kept
