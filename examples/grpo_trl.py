@@ -6,8 +6,9 @@ policy's and the reference's log-probs) in one packed row per forward (docs/rl.m
 
 TRL 1.16's GRPOTrainer pads its scoring batches: left-padded prompts, right-padded completions. `PackedGRPOTrainer`
 is `trl.GRPOTrainer` with those forwards run on packed rows; generation, rewards, advantages, the loss and the KL are
-TRL's, on the same per-token log-probs as padded. Give the model by path, with `model_init_kwargs={"attn_implementation":
-"packfree"}`: TRL then loads the reference model (`beta > 0`) from the same path the same way.
+TRL's, on the same per-token log-probs as padded. Give the model by path, with
+`model_init_kwargs={"attn_implementation": "packfree"}`: TRL then loads the reference model (`beta > 0`) from the
+same path the same way.
 """
 
 from __future__ import annotations

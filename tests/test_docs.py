@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sybil = pytest.importorskip("sybil")
+pytest.importorskip("sybil")
 from sybil import Example, Sybil  # noqa: E402
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser  # noqa: E402
 

@@ -171,7 +171,8 @@ def verdict(parts: Mapping[str, float | bool], load: LoadWatch, max_rel_loss_dif
     state = standing(parts, "total")
     if state == BELOW:
         total, ceiling = parts["total"], parts["total_ceiling"]
-        said = f"packed trains {total:.2f}x as fast as stock padded, {total / ceiling:.0%} of its ceiling {ceiling:.2f}x"
+        said = (f"packed trains {total:.2f}x as fast as stock padded, {total / ceiling:.0%} of its ceiling "
+                f"{ceiling:.2f}x")
     elif state == AT:
         said = f"packed trains at its ceiling, {parts['total_ceiling']:.2f}x as fast as stock padded"
     elif state == UNBOUNDED:

@@ -25,8 +25,8 @@ from .demo_figures import (
 )
 from .demo_runs import FLOOR_NOTE, WARMUP_STEPS, DemoOptions, RunResult
 
-__all__ = ["RELATIVE_LOSS_DIFFERENCE", "loss_table", "max_relative_difference", "plot", "speed_plot_labels", "summarize", "throughput_table",
-           "write_report"]
+__all__ = ["RELATIVE_LOSS_DIFFERENCE", "loss_table", "max_relative_difference", "plot", "speed_plot_labels",
+           "summarize", "throughput_table", "write_report"]
 
 RELATIVE_LOSS_DIFFERENCE = "|run - stock padded| / |stock padded| at a step"
 """The one measure of a loss difference the demos report (its largest over the steps)."""

@@ -26,8 +26,8 @@ import torch
 from .demo_batches import PaddedCollator, StepPacker, demo_config, gdn_chunk, tokenize_gsm8k, work_units
 from .load import LoadWatch
 
-__all__ = ["FLOOR_NOTE", "WARMUP_STEPS", "DemoOptions", "RunResult", "build_model", "compare_training", "default_threads",
-           "skip_token_mixers", "token_mixer_paths", "train"]
+__all__ = ["FLOOR_NOTE", "WARMUP_STEPS", "DemoOptions", "RunResult", "build_model", "compare_training",
+           "default_threads", "skip_token_mixers", "token_mixer_paths", "train"]
 
 
 @dataclass
@@ -97,8 +97,8 @@ def build_model(config, attn_implementation: str, state: Mapping[str, torch.Tens
 
         register()
     torch.manual_seed(seed)
-    model = getattr(transformers, auto_class).from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
-                                                          dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_config(copy.deepcopy(config),
+                                                          attn_implementation=attn_implementation, dtype=torch.float32)
     if state is not None:
         model.load_state_dict(state)
     return model
