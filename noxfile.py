@@ -26,6 +26,17 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def examples(session: nox.Session) -> None:
+    """Every recipe in examples/ in its ``--tiny`` mode, in an environment with only what the README's install gives
+    (``pip install ".[integrations]"``) and pytest to run them: tests/test_examples.py without the suite's conftest,
+    which needs the test extra. A recipe that needs anything more fails here."""
+    _install(session, "integrations")
+    session.install("pytest>=8")
+    session.run("python", "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "tests/test_examples.py",
+                *session.posargs)
+
+
+@nox.session
 def demo_vlm(session: nox.Session) -> None:
     """The vision-language demo: a small Qwen2-VL on the embedded captioned images, padded and packed."""
     _install(session, "demo")
@@ -73,7 +84,8 @@ COMPAT_TORCH = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 COMPAT_TESTS = ["tests/ops", "tests/attention", "tests/models", "tests/test_boundaries.py", "tests/gate/test_proof.py",
                 "tests/test_compat.py"]
 """What differs between releases: the attention and mixer ops, every model family against stock, the proof."""
-OLDEST_INTEGRATIONS = ["trl==1.16.0", "peft==0.21.0", "accelerate==1.10.1", "sentence-transformers==6.2.0"]
+OLDEST_INTEGRATIONS = ["trl==1.16.0", "peft==0.21.0", "accelerate==1.10.1", "sentence-transformers==6.2.0",
+                       "deepspeed==0.19.8"]
 """The oldest releases pyproject's ``integrations`` extra declares (``nox -s compat_integrations`` runs them)."""
 INTEGRATION_TESTS = ["tests/e2e/test_trl.py", "tests/e2e/test_peft.py", "tests/e2e/test_sentence_transformers.py",
                      "tests/integrations", "tests/test_compat.py"]
@@ -172,7 +184,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks", *session.posargs)
 
 
-KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops"]
+KERNEL_PACKAGES = ["triton==3.9.0", "fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops",
+                   "liger-kernel==0.8.5", "trl>=1.16"]  # tests/kernels/test_liger.py: Liger alone and through TRL
 PYTHON_ONLY = {
     # package: the environment that skips its CUDA build (and the prebuilt-wheel lookup, which needs CUDA torch)
     "mamba-ssm==2.3.2.post1": {"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"},  # Triton kernels kept

@@ -27,6 +27,33 @@ PAIRS = [
 ]
 
 
+def show_packing(model, role: str) -> None:
+    """Print, once per ``role``, how one scoring forward ran: the padded batch TRL built and the packed row(s) the
+    backbone was given inside that call (``position_ids`` restart at every sample)."""
+    state: dict[str, object] = {}
+
+    def enter(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("fused_lm_head") and mask is not None and mask.ndim == 2:
+            state["padded"] = tuple(mask.shape)
+
+    def leave(module, args, kwargs, output):
+        state.pop("padded", None)
+
+    def backbone(module, args, kwargs):
+        if "padded" in state and not state.get("shown") and kwargs.get("position_ids") is not None:
+            rows, tokens = kwargs["input_ids"].shape
+            starts = int((kwargs["position_ids"] == 0).sum())
+            sequences, length = state["padded"]
+            print(f"{role} scoring forward: {sequences} sequences (TRL's padded batch: {sequences} rows of {length} "
+                  f"tokens) ran as {rows} row of {tokens} tokens, position_ids restarting {starts} times", flush=True)
+            state["shown"] = True
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True)
+    model.base_model.register_forward_pre_hook(backbone, with_kwargs=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a saved causal LM: directory or hub name")
@@ -79,6 +106,8 @@ def main() -> None:
     trainer = PackedDPOTrainer(model=model, ref_model=reference, args=config, train_dataset=Dataset.from_list(PAIRS),
                                processing_class=tokenizer, callbacks=[PrintLoss()],
                                max_tokens_per_row=None)  # None: a batch in one row; N: rows of at most N tokens
+    show_packing(trainer.model, "policy")
+    show_packing(trainer.ref_model, "reference")
     trainer.train()
 
 

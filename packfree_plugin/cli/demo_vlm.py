@@ -7,7 +7,7 @@ Data flows top to bottom:
    WordPiece tokenizer, compacted to the ids used. A sample is ``<vision_start> <image> x n question answer``;
    only the text is trained on (labels -100 on the image placeholders).
 2. :func:`vision_config`: a small Qwen2-VL (multimodal RoPE, a 2-layer vision tower).
-3. :func:`packfree_plugin.cli.demo.train` twice from the same weights, on the same samples in the same order:
+3. :func:`packfree_plugin.cli.demo_runs.train` twice from the same weights, on the same samples in the same order:
    padded (:class:`PaddedVisionCollator`, stock ``sdpa``; the model numbers positions from the mask) and packed
    (:class:`packfree_plugin.packing.VisionPackedCollator`, ``packfree``; each sample's own
    ``get_rope_index`` positions, its images concatenated in sample order, one unpadded row per step).
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from .demo import (WARMUP_STEPS, _plot, _tokenizer, build_model, default_threads, loss_table, summarize,
-                   throughput_table, train)
+from .demo_batches import minilm_tokenizer
+from .demo_report import RELATIVE_LOSS_DIFFERENCE, loss_table, plot, summarize, throughput_table
+from .demo_runs import WARMUP_STEPS, build_model, default_threads, train
 
 __all__ = ["PaddedVisionCollator", "VisionDemoOptions", "run_vision_demo", "vision_config", "vision_samples"]
 
@@ -66,7 +67,7 @@ def vision_samples(tokenizer=None) -> tuple[list[dict[str, Any]], int, SpecialId
 
     images = load_captioned_images()
     processor = Qwen2VLImageProcessorPil(min_pixels=(PATCH * MERGE) ** 2, max_pixels=112 * 112)
-    tokenizer = tokenizer or _tokenizer()
+    tokenizer = tokenizer or minilm_tokenizer()
     texts = tokenizer([f"Question: {image.question} Answer: {image.answer}" for image in images])["input_ids"]
     used = sorted({token for text in texts for token in text})
     compact = {token: i + 1 for i, token in enumerate(used)}  # 0 stays the padding id
@@ -190,9 +191,9 @@ def write_vision_report(out: Path, options: VisionDemoOptions, result: Mapping[s
     lines += [
         "",
         f"**Speedup: {summary['speedup']:.2f}x** (tokens run padded / packed {summary['tokens_run_ratio']:.2f}x; "
-        f"each run's first {WARMUP_STEPS} steps left out). Max |loss difference| over {len(padded.losses)} steps: "
-        f"**{summary['max_loss_diff']:.2e}** (relative {summary['max_rel_loss_diff']:.2e}); loss went "
-        f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}.",
+        f"each run's first {WARMUP_STEPS} steps left out). Largest relative loss difference "
+        f"({RELATIVE_LOSS_DIFFERENCE}) over {len(padded.losses)} steps: **{summary['max_rel_loss_diff']:.2e}**; "
+        f"padded loss went {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}.",
         "",
         *loss_table(padded, packed),
         "",
@@ -211,12 +212,12 @@ def run_vision_demo(options: VisionDemoOptions, *, echo: Callable[[str], None] =
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = compare_vision_training(options)
-    _plot(out / "demo-vlm.png", result["padded"], result["packed"])
+    plot(out / "demo-vlm.png", result["padded"], result["packed"])
     report = write_vision_report(out, options, result)
     summary = summarize(result)
     summary.update(report=str(report), total_seconds=time.perf_counter() - started)
     echo(f"speedup {summary['speedup']:.2f}x (tokens run padded / packed {summary['tokens_run_ratio']:.2f}x; "
          f"{summary['padded_tokens_per_s']:,.0f} -> {summary['packed_tokens_per_s']:,.0f} real tokens/s); "
-         f"max loss diff {summary['max_loss_diff']:.2e}")
+         f"largest relative loss difference {summary['max_rel_loss_diff']:.1e}")
     echo(f"report: {report}  ({summary['total_seconds']:.0f} s)")
     return summary

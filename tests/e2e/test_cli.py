@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,8 @@ from packfree_plugin.cli.demo import (
     verdict,
     work_units,
 )
+from packfree_plugin.cli.demo_figures import decomposition_lines, part_phrase, standing
+from packfree_plugin.cli.demo_report import speed_plot_labels
 
 
 def test_doctor_lists_packages_and_each_layers_backend(capsys) -> None:
@@ -104,6 +107,21 @@ def test_verify_from_a_saved_model_dir_as_a_subprocess(tmp_path) -> None:
     assert "no leak" in result.stdout
 
 
+FIGURE_AND_CEILING = re.compile(r"(\d+\.\d+)x(?:\*\*)? (?:\(ceiling |\| )(\d+\.\d+)x")
+"""A figure and its ceiling as the console (``1.52x (ceiling 1.70x``) and the report's table (``**1.52x** | 1.70x``)
+print them."""
+
+
+def assert_no_figure_above_its_ceiling(text: str) -> None:
+    pairs = [(float(a), float(b)) for a, b in FIGURE_AND_CEILING.findall(text)]
+    assert all(figure <= ceiling for figure, ceiling in pairs), pairs
+
+
+def assert_no_speed_figure(text: str) -> None:
+    """No ratio (``2.06x``), throughput (``tokens/s``) or training time in ``text``."""
+    assert not re.search(r"\d\.\d+x", text) and "tokens/s" not in text and "train s" not in text, text
+
+
 def _tokens_per_second(run: dict) -> float:
     """Real tokens per second over every step (a 2-step run has no step left after the demo's warm-up)."""
     return sum(run["step_real_tokens"]) / sum(run["step_seconds"])
@@ -146,15 +164,15 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
         assert parts[key] == pytest.approx(value, rel=1e-9), key
     assert parts["within_ceilings"] == (not any(parts[f"{k}_above_ceiling"] for k in ("ops", "padding", "total")))
 
-    rows = {"packfree's ops": "ops", "padding removed": "padding", "both": "total"}
-    for name, key in rows.items():
-        assert f"| {name} |" in report and f"**{expected[key]:.2f}x** | {expected[key + '_ceiling']:.2f}x |" in report
     console = capsys.readouterr().out
-    assert f"speedup {expected['total']:.2f}x (ceiling {expected['total_ceiling']:.2f}x, noise ±" in console
-    assert f"packfree's ops  {expected['ops']:.2f}x (ceiling {expected['ops_ceiling']:.2f}x" in console
-    assert f"padding removed {expected['padding']:.2f}x (ceiling {expected['padding_ceiling']:.2f}x" in console
-    # each figure printed once (count the labels: two figures may round to the same number)
-    assert [console.count(label) for label in ("speedup ", "packfree's ops  ", "padding removed ")] == [1, 1, 1]
+    # each run named as it starts; no unlabelled Trainer metrics dict; the floor said to be no training result
+    for label in ("stock padded (sdpa)", "packfree padded (packfree)", "packfree packed (packfree)"):
+        assert console.count(f"training run: {label}, 2 steps of 16 samples") == 1
+    assert "token mixers skipped (packfree), 2 steps of 16 samples; a timing bound, not a training result" in console
+    assert "train_runtime" not in console and "a timing bound, not a training result" in report
+    # one measure of loss difference, by one name
+    assert "max loss diff" not in console and "Max |loss" not in report
+    assert f"largest relative loss difference {recorded['summary']['max_rel_loss_diff']:.1e}" in console
     # the load comes with the ratios; a loaded machine gives no figures, a quiet one a result
     load = recorded["load"]
     assert len(load["samples"]) == 2 and load["per_core"] == max(load["samples"])
@@ -163,12 +181,23 @@ def test_demo_tiny_run_writes_report_plot_and_agreeing_losses(tmp_path, capsys) 
     assert others is not None and f"other processes used {others:.2f} of each core" in console  # Linux: /proc/stat
     assert load["too_loaded"] is (others > OTHERS_PER_CORE)
     said = console.split("verdict: ", 1)[1].splitlines()[0]
+    assert "equal losses" in said and said in report
+    assert_no_figure_above_its_ceiling(console + report)
+    assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
     if load["too_loaded"]:
         assert said.startswith("no figures: ")
-    else:
-        assert said.startswith("packed trains ") or "above its ceiling" in said
-    assert "equal losses" in said and said in report
-    assert f"packfree CLI: {os.path.join(os.path.dirname(sys.executable), 'packfree')}" in console  # the demo's env
+        assert_no_speed_figure(console + report)
+        return
+    assert said.startswith("packed trains ")
+    rows = {"packfree's ops": "ops", "padding removed": "padding", "both": "total"}
+    for name, key in rows.items():
+        assert f"| {name} |" in report
+        if standing(parts, key) == "below":
+            assert f"**{expected[key]:.2f}x** | {expected[key + '_ceiling']:.2f}x |" in report
+    for label, key in (("speedup ", "total"), ("packfree's ops  ", "ops"), ("padding removed ", "padding")):
+        assert f"{label}{part_phrase(parts, key)}" in console
+    # each figure printed once (count the labels: two figures may round to the same number)
+    assert [console.count(label) for label in ("speedup ", "packfree's ops  ", "padding removed ")] == [1, 1, 1]
 
 
 def _run(step_seconds: list[float], step_slot_tokens: list[int], chunk_padded: list[int] | None = None) -> RunResult:
@@ -195,8 +224,20 @@ def test_demo_verdict_allows_for_timing_noise(excess: float, above: bool) -> Non
     assert parts["padding"] / parts["padding_ceiling"] == pytest.approx(float(jitter[WARMUP_STEPS:].mean()) * excess)
     assert 0.005 < parts["padding_noise"] < 0.05  # about 2 standard errors of 38 steps of 3 % noise
     assert parts["padding_above_ceiling"] is above and parts["within_ceilings"] is not above
-    assert ("padding above its ceiling by more than its timing noise" in verdict(parts, QUIET, 0.0)) is above
-    assert verdict(parts, QUIET, 0.0).startswith("packed trains") is not above
+    said = verdict(parts, QUIET, 0.0)
+    assert ("padding above its ceiling by more than its timing noise" in said) is above
+    if above:  # no figure of padding's; the speedup without a ceiling, the plot without the ceiling bar
+        assert standing(parts, "padding") == "above" and standing(parts, "total") == "unbounded"
+        assert part_phrase(parts, "padding").startswith("no figure: measured above its ceiling")
+        assert f"packed trains {parts['total']:.2f}x as fast as stock padded, with no ceiling" in said
+        assert speed_plot_labels(parts, None)["draw_ceiling"] is False
+    else:  # above its ceiling inside the noise: "at its ceiling", the ceiling alone
+        assert standing(parts, "padding") == "at" and parts["padding"] > parts["padding_ceiling"]
+        assert part_phrase(parts, "padding").startswith(f"at its ceiling {parts['padding_ceiling']:.2f}x")
+        assert speed_plot_labels(parts, None)["draw_ceiling"] is False
+    lines = "\n".join(decomposition_lines(parts, {"tokens run": 1.7}, QUIET, 0.0))
+    assert_no_figure_above_its_ceiling(lines)
+    assert f"{parts['padding']:.2f}x" not in lines
 
 
 def test_demo_padding_ceiling_counts_attentions_square() -> None:
@@ -279,12 +320,19 @@ def test_demo_verdict_gives_no_figures_on_a_loaded_machine() -> None:
               "floor": _run([1.0] * 10, slots), "packed": _run([1.0] * 10, [100] * 10)}
     parts = decompose(result, resamples=50)
     quiet = verdict(parts, QUIET, 2e-7)
-    assert quiet == ("packed trains 2.00x as fast as stock padded, 67% of its ceiling 3.00x, with equal losses "
-                     "(max relative difference 2.0e-07)")
-    loaded = verdict(parts, LoadWatch(cores=2, samples=[0.5, 1.9]), 2e-7)
+    assert quiet == ("packed trains 2.00x as fast as stock padded, 67% of its ceiling 3.00x. Padded and packed "
+                     "trained with equal losses (largest relative loss difference 2.0e-07)")
+    busy = LoadWatch(cores=2, samples=[0.5, 1.9])
+    loaded = verdict(parts, busy, 2e-7)
     assert loaded.startswith("no figures: the machine ran at 1.90 load per core (above 0.75)")
     assert "2.00x" not in loaded and "equal losses" in loaded
-    assert "DIFFERENT losses (max relative difference 1.0e-03)" in verdict(parts, QUIET, 1e-3)
+    assert "DIFFERENT losses (largest relative loss difference 1.0e-03)" in verdict(parts, QUIET, 1e-3)
+    # loaded: the console's lines and the plot carry no speed figure either
+    assert_no_speed_figure("\n".join(decomposition_lines(parts, {"tokens run": 1.5}, busy, 2e-7)))
+    labels = speed_plot_labels(parts, "busy")
+    assert labels == {"no_speed": "No speed panel: busy."}
+    assert speed_plot_labels(parts, None) == {"title": "Training throughput: packed 2.00x stock padded",
+                                              "draw_ceiling": True}
 
 
 def test_vision_demo_tiny_run_agrees_and_packs_every_step_into_one_row(tmp_path) -> None:
