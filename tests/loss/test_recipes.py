@@ -25,8 +25,9 @@ STEP = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_st
 
 
 def recipe(name: str) -> str:
-    """The code of the ``python`` block under ``<!-- recipe: name -->`` in docs/loss.md."""
-    found = re.search(rf"<!-- recipe: {name} -->\n```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+    """The code of the ``python`` block under ``<!-- recipe: name -->`` in docs/loss.md (after the invisible set-up
+    blocks that tests/test_docs.py runs before it, if any)."""
+    found = re.search(rf"<!-- recipe: {name} -->\n(?:<!--.*?-->\n)*```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert found, f"docs/loss.md has no recipe {name!r}"
     return found.group(1)
 
