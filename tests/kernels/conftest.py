@@ -14,7 +14,7 @@ Everything that makes this work lives here, never in the package:
 - per test (autouse): ``backends.on_cuda`` answers True, so every op and packed attention pick their kernels as on
   a GPU.
 
-When triton, fla or mamba-ssm is not installed (the default suite), the ``test_real_*`` files are not collected:
+When triton, fla or mamba-ssm is not installed (the default suite), the ``test_real_*`` files and ``test_liger.py`` are not collected:
 ``nox -s kernels`` installs them and runs this folder.
 """
 
@@ -35,7 +35,7 @@ KERNEL_PACKAGES = ("triton", "fla", "mamba_ssm", "flash_attn", "causal_conv1d")
 MISSING = [name for name in KERNEL_PACKAGES if importlib.util.find_spec(name) is None]
 
 if MISSING:
-    collect_ignore_glob = ["test_real_*.py"]
+    collect_ignore_glob = ["test_real_*.py", "test_liger.py"]
 else:
     os.environ["TRITON_INTERPRET"] = "1"
     already = [name for name in KERNEL_PACKAGES if name != "triton" and name in sys.modules]
