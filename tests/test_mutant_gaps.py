@@ -110,6 +110,16 @@ def test_a_selective_scan_input_of_integers_is_refused_naming_it(name: str) -> N
         selective_scan(*positional, **inputs)
 
 
+@pytest.mark.parametrize("name", ["B", "C"])
+def test_a_selective_scan_b_or_c_of_another_length_is_refused_naming_it(name: str) -> None:
+    """``B`` / ``C`` of 5 tokens beside ``u [1, 4, 6]``: refused by the name of the one passed."""
+    inputs = dict(u=torch.randn(1, 4, 6), delta=torch.rand(1, 4, 6), A=-torch.rand(4, 3), B=torch.randn(1, 3, 6),
+                  C=torch.randn(1, 3, 6))
+    inputs[name] = torch.randn(1, 3, 5)
+    with pytest.raises(ValueError, match=rf"^{name} must be \[B, N, T\] = \[1, 3, 6\]"):
+        selective_scan(*inputs.values())
+
+
 @pytest.mark.parametrize("name", ["weight", "bias"])
 def test_a_conv_weight_or_bias_of_another_dtype_is_refused_naming_it(name: str) -> None:
     """``causal_conv1d``'s weight ``[C, K]`` or bias ``[C]`` in float32 beside a float64 ``x [B, T, C]``."""
