@@ -78,12 +78,24 @@ if MUTANT_UNDER_TEST in os.environ:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """While a mutant runs, forget what torch.compile cached before (in mutmut's process that forks the mutant's):
-    a frame compiled then would run the code it traced, not the mutant."""
-    if "__mutmut_" in os.environ.get(MUTANT_UNDER_TEST, ""):
-        import torch._dynamo
+    """While a mutant runs, forget what the unmutated code built: mutmut forks each mutant's run from the process
+    that ran the clean tests, so a model pair cached there (with the layer facts kept on its modules), a gate
+    verdict or a compiled graph would serve the mutant's tests what the original code computed, and the mutant would
+    never run (the chunk size of Llama 4's layers, read once per layer, survived so)."""
+    if "__mutmut_" not in os.environ.get(MUTANT_UNDER_TEST, ""):
+        return
+    import torch._dynamo
 
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in ("tests", PACKAGE):
+            for value in list(vars(module).values()):
+                clear = getattr(value, "cache_clear", None)  # functools.cache / lru_cache
+                if callable(clear):
+                    clear()
+    admission = sys.modules.get(f"{PACKAGE}.gate.admission")
+    if admission is not None:
+        admission._verdicts.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
