@@ -475,3 +475,21 @@ def test_compiled_dropout_is_drawn_afresh_and_replayed_in_backward() -> None:
         assert len(outputs) == 40, f"40 training calls drew {len(outputs)} different dropout masks"
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_attention_under_autocast_runs_in_the_autocast_dtype() -> None:
+    """RoPE leaves q and k in float32 beside a bfloat16 v under autocast; inside the compiled op autocast is off, so
+    packfree casts all three first: the compiled call equals the eager one under autocast (mutant: nothing was cast,
+    and the op got mixed dtypes)."""
+    q, k, v, boundaries = _packed_inputs([5, 3, 6], 4, 2, 1, seed=10)
+    q, k, v = q.detach().float(), k.detach().float(), v.detach().to(torch.bfloat16)
+    options = AttentionOptions(scale=0.4, causal=True)
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager = run_packed_attention(q, k, v, boundaries, options)
+            compiled = _compiled(boundaries, options, training=False)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    assert_close(compiled.float(), eager.float(), atol=0, rtol=0, what="compiled under autocast")
