@@ -197,3 +197,12 @@ def test_max_length_is_an_upper_bound() -> None:
     boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=6, device="cpu", cu_seq_lens_q=_cu([2, 4]),
                                               cu_seq_lens_k=_cu([2, 4]), max_length_q=16, max_length_k=16)
     assert boundaries.max_seqlen == 4
+
+
+def test_the_repr_counts_segments_and_padding_spans() -> None:
+    """What a user printing the boundaries reads: rows, segments, padding spans, the longest segment (mutant: the
+    padding count summed None, and printing raised)."""
+    boundaries = Boundaries.from_model_inputs(batch_size=1, seq_len=5, device="cpu",
+                                              position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+                                              attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))
+    assert repr(boundaries) == "Boundaries(B=1, T=5, segments=2, padding_spans=1, max_seqlen=3, device=cpu)"

@@ -146,3 +146,30 @@ def test_decode_steps_keep_the_sinks(model_type: str, decode_scores: Callable) -
     _assert_generate_equals_stock(model_type, model, stock)
     assert seen.calls, f"{model_type}: stock's eager attention saw no decode step"
     assert seen.largest_sink_share > 0.1, f"{model_type}: the sinks took {seen.largest_sink_share} of the attention"
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_a_decode_step_in_training_drops_attention_weights_as_stock(model_type: str) -> None:
+    """A decode step taken in training mode (a rollout from a model left in train()) with attention dropout, softcap
+    or sinks: packfree's eager step drops the weights stock's eager drops, from the same random state (mutant: the
+    step's options lost the dropout, and nothing was dropped)."""
+    from transformers import DynamicCache
+
+    model, stock = _pair(model_type)
+    steps = []
+    for each in (model, stock):
+        for module in each.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.5
+        cache = DynamicCache(config=each.config)
+        with torch.no_grad():
+            each(input_ids=torch.tensor(samples_of([6], seed=2)), cache=cache, use_cache=True)
+            each.train()
+            for seed in (3, 3, 4):  # the same state twice, then another: the step's dropout follows the state
+                torch.manual_seed(seed)
+                steps.append(each(input_ids=torch.tensor([[11]]), cache=cache, use_cache=False).logits)
+        each.eval()
+    ours, theirs = steps[:3], steps[3:]
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert_close(a, b, atol=TOLERANCE, rtol=0, what=f"{model_type} training decode step {step}")
+    assert (theirs[2] - theirs[0]).abs().max() > 1e-3, f"{model_type}: stock's dropout changed nothing"

@@ -77,14 +77,12 @@ def counted_step(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[HostRea
     return reads, loss.detach()
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def runs(request: pytest.FixtureRequest) -> dict[str, tuple[HostReads, torch.Tensor]]:
-    """Per model: the counted steps of stock on the samples padded, and of packfree on them packed, with the
-    collator's boundary keywords and with ``position_ids`` only."""
+def _runs(model_type: str) -> dict[str, tuple[HostReads, torch.Tensor]]:
+    """The counted steps of stock on the samples padded, and of packfree on them packed, with the collator's
+    boundary keywords and with ``position_ids`` only."""
     from packfree_plugin.loading.register import register
 
     register()
-    model_type = request.param
     samples = samples_of([23, 17, 30, 12, 9])
     packed = PackedCollator()([{"input_ids": sample} for sample in samples])
     ids_only = {name: packed[name] for name in ("input_ids", "labels", "position_ids")}
@@ -97,30 +95,23 @@ def _shown(runs: dict[str, tuple[HostReads, torch.Tensor]]) -> str:
     return "; ".join(f"{name}: {reads.total} {dict(reads.where)}" for name, (reads, _) in runs.items())
 
 
-def test_packed_runs_compute_what_stock_computes_padded(runs: dict[str, tuple[HostReads, torch.Tensor]]) -> None:
-    """The counted packed steps are right ones: their loss is stock's on the samples padded (each sample alone in
-    its row)."""
-    _, expected = runs["stock padded"]
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_a_packed_step_reads_once_and_no_more_than_stock_padded(model_type: str) -> None:
+    """Per model, one test (so that ``nox -s mutants`` maps every function the steps call to the checks of their
+    reads, which a module fixture's calls would tie to the first test only):
+
+    - the counted packed steps are right ones: their loss is stock's on the samples padded (each sample alone in
+      its row);
+    - packfree's own reads in a forward and backward of a 4-layer model are the batch's one read (its boundary
+      inputs and labels copied together), none per layer or per op call, with the collator's keywords and with
+      ``position_ids`` only;
+    - with ``cu_seq_lens``/``seq_idx`` given, a packed step reads no more than stock's padded one (which reads its
+      padding mask); where stock reads nothing (a Mamba1 padded forward), packfree reads the boundaries once;
+    - with ``position_ids`` only, a packed step reads at most once more than stock's padded one: the ids."""
+    runs = _runs(model_type)
+    stock_reads, expected = runs["stock padded"]
     for name in ("packed kwargs", "packed ids"):
         assert_close(runs[name][1], expected, atol=1e-10, what=name)
-
-
-@pytest.mark.parametrize("inputs", ["packed kwargs", "packed ids"])
-def test_packfree_reads_once_per_forward(runs: dict[str, tuple[HostReads, torch.Tensor]], inputs: str) -> None:
-    """packfree's own reads in a forward and backward of a 4-layer model: the batch's one read (its boundary
-    inputs and labels copied together), none per layer or per op call."""
-    assert runs[inputs][0].by["packfree"] <= 1, _shown(runs)
-
-
-def test_with_the_collators_keywords_no_more_reads_than_stock_padded(
-        runs: dict[str, tuple[HostReads, torch.Tensor]]) -> None:
-    """With ``cu_seq_lens``/``seq_idx`` given, a packed step reads no more than stock's padded one (which reads its
-    padding mask); where stock reads nothing (a Mamba1 padded forward), packfree reads the boundaries once."""
-    stock = runs["stock padded"][0].total
-    assert runs["packed kwargs"][0].total <= max(stock, 1), _shown(runs)
-
-
-def test_with_position_ids_only_at_most_one_read_more_than_stock_padded(
-        runs: dict[str, tuple[HostReads, torch.Tensor]]) -> None:
-    """With ``position_ids`` only, a packed step reads at most once more than stock's padded one: the ids."""
-    assert runs["packed ids"][0].total <= runs["stock padded"][0].total + 1, _shown(runs)
+        assert runs[name][0].by["packfree"] <= 1, f"{name}: {_shown(runs)}"
+    assert runs["packed kwargs"][0].total <= max(stock_reads.total, 1), _shown(runs)
+    assert runs["packed ids"][0].total <= stock_reads.total + 1, _shown(runs)

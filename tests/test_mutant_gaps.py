@@ -13,6 +13,7 @@ from packfree_plugin.attention.interface import run_packed_attention
 from packfree_plugin.attention.reference import AttentionOptions
 from packfree_plugin.boundaries import Boundaries
 from packfree_plugin.forward.hook import has_entry
+from packfree_plugin.ops.conv import causal_conv1d
 from packfree_plugin.ops.selective_scan import selective_scan
 from packfree_plugin.ops.ssd import ssd_chunk_scan
 from tests.attention.test_segments import _packed_inputs, naive_attention
@@ -81,6 +82,52 @@ def test_ssd_inputs_of_another_shape_are_refused_naming_the_input(name: str, bad
         inputs["C"] = bad
     with pytest.raises(ValueError, match=message):
         ssd_chunk_scan(**inputs, chunk_size=4)
+
+
+SSD_OPTIONAL = {"D": (4,), "z": (1, 6, 4, 2), "dt_bias": (4,)}
+"""``ssd_chunk_scan``'s optional inputs and their shapes beside :func:`_ssd_inputs` (H=4, P=2)."""
+
+
+@pytest.mark.parametrize("name", ["x", "dt", "A", "B", "C", *SSD_OPTIONAL])
+def test_an_ssd_input_of_integers_is_refused_naming_it(name: str) -> None:
+    """Each input given as integers is refused by its own name, as the caller passed it (mutants: the names in the
+    check's list changed, so the refusal named another input or none)."""
+    inputs = {**_ssd_inputs(), **{key: torch.randn(shape) for key, shape in SSD_OPTIONAL.items()}}
+    inputs[name] = inputs[name].round().long()
+    with pytest.raises(ValueError, match=rf"^{name} must be floating point"):
+        ssd_chunk_scan(**inputs, chunk_size=4)
+
+
+@pytest.mark.parametrize("name", ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"])
+def test_a_selective_scan_input_of_integers_is_refused_naming_it(name: str) -> None:
+    """The same for ``selective_scan``: u, delta, z ``[B, D, T]``, A ``[D, N]``, B, C ``[B, N, T]``, D and
+    delta_bias ``[D]``."""
+    inputs = dict(u=torch.randn(1, 4, 6), delta=torch.rand(1, 4, 6), A=-torch.rand(4, 3), B=torch.randn(1, 3, 6),
+                  C=torch.randn(1, 3, 6), D=torch.randn(4), z=torch.randn(1, 4, 6), delta_bias=torch.randn(4))
+    inputs[name] = inputs[name].round().long()
+    positional = [inputs.pop(key) for key in ("u", "delta", "A", "B", "C")]
+    with pytest.raises(ValueError, match=rf"^{name} must be floating point"):
+        selective_scan(*positional, **inputs)
+
+
+@pytest.mark.parametrize("name", ["B", "C"])
+def test_a_selective_scan_b_or_c_of_another_length_is_refused_naming_it(name: str) -> None:
+    """``B`` / ``C`` of 5 tokens beside ``u [1, 4, 6]``: refused by the name of the one passed."""
+    inputs = dict(u=torch.randn(1, 4, 6), delta=torch.rand(1, 4, 6), A=-torch.rand(4, 3), B=torch.randn(1, 3, 6),
+                  C=torch.randn(1, 3, 6))
+    inputs[name] = torch.randn(1, 3, 5)
+    with pytest.raises(ValueError, match=rf"^{name} must be \[B, N, T\] = \[1, 3, 6\]"):
+        selective_scan(*inputs.values())
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_a_conv_weight_or_bias_of_another_dtype_is_refused_naming_it(name: str) -> None:
+    """``causal_conv1d``'s weight ``[C, K]`` or bias ``[C]`` in float32 beside a float64 ``x [B, T, C]``."""
+    inputs = dict(x=torch.randn(1, 6, 4, dtype=torch.float64), weight=torch.randn(4, 3, dtype=torch.float64),
+                  bias=torch.randn(4, dtype=torch.float64))
+    inputs[name] = inputs[name].float()
+    with pytest.raises(ValueError, match=rf"^{name} is torch.float32 on cpu, x is torch.float64"):
+        causal_conv1d(**inputs)
 
 
 def test_a_selective_scan_u_of_two_dims_is_refused_naming_it() -> None:

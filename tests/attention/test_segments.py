@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packfree_plugin.attention import segments
+from packfree_plugin.attention.interface import run_packed_attention
 from packfree_plugin.attention.reference import AttentionOptions
-from packfree_plugin.boundaries import Boundaries
+from packfree_plugin.boundaries import Boundaries, Seq2SeqBoundaries
 from tests.conftest import assert_close
 
 
@@ -296,3 +298,198 @@ def test_a_row_is_gathered_only_where_batching_short_samples_needs_it(lengths: l
                                    window=None, softcap=None, sinks=None)
         assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {begin}")
         begin += length
+
+
+# ------------------------------------------------------------------- relative bias, cross-attention, dropout
+def _dense_reference(q, k, v, *, scale, causal=False, softcap=None, sinks=None, bias=None) -> torch.Tensor:
+    """One sample (or one decoder sample over its encoder sample) with dense scores: ``q [H, Lq, D]``, ``k/v [Hkv,
+    Lk, D]``, ``bias [H, Lq, Lk]`` added to the scores -> ``[H, Lq, Dv]``."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    logits = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if bias is not None:
+        logits = logits + bias
+    if causal:
+        later = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
+        logits = logits.masked_fill(later, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks[:, None, None].expand(-1, q.shape[1], 1)], dim=-1)
+    weights = torch.softmax(logits, dim=-1)[..., : k.shape[1]]
+    return weights @ v
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_a_relative_bias_on_grouped_keys_equals_each_sample_alone(causal: bool) -> None:
+    """T5's relative position bias ``[1, H, L, L]``: every sample adds its top-left corner, on 4 query heads over 2
+    key heads, one sample as long as the query heads (mutant: the grouped-keys test read the keys' length, so that
+    sample's call failed)."""
+    lengths = [4, 3, 6]
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1, seed=4)
+    bias = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out = segments.segment_attention(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=causal), bias=bias)
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        piece = slice(start, start + length)
+        expected = _dense_reference(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale=0.4, causal=causal,
+                                    bias=bias[0, :, :length, :length])
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"sample at {start}")
+
+
+@pytest.mark.parametrize("option", [dict(chunk=2), dict(softcap=1.0), dict(window=2),
+                                    dict(sinks=torch.zeros(4, dtype=torch.float64))],
+                         ids=["chunk", "softcap", "window", "sinks"])
+def test_a_relative_bias_with_another_option_is_refused(option: dict) -> None:
+    """A bias applies to full attention only: with chunks, a softcap, a window or sinks beside it the call is
+    refused, never run without the option (mutant: ``or`` read as ``and``, and chunks and softcaps were dropped)."""
+    q, k, v, boundaries = _packed_inputs([4, 3], 4, 4, 1)
+    bias = torch.zeros(1, 4, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="relative position bias only to full attention"):
+        segments.segment_attention(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=True, **option), bias=bias)
+
+
+def _pairing(encoder: list[int], decoder: list[int]) -> Seq2SeqBoundaries:
+    """One row of encoder samples of lengths ``encoder`` paired with decoder samples of lengths ``decoder``."""
+    sides = [Boundaries.from_position_ids(torch.cat([torch.arange(n) for n in lengths])[None])
+             for lengths in (encoder, decoder)]
+    return Seq2SeqBoundaries(*sides)
+
+
+@pytest.mark.parametrize("option", [dict(softcap=0.5), dict(sinks=torch.linspace(-1.0, 2.0, 4,
+                                                                                   dtype=torch.float64))],
+                         ids=["softcap", "sinks"])
+def test_cross_attention_with_softcap_or_sinks_equals_each_pair_alone(option: dict) -> None:
+    """Packed cross-attention through the eager path (softcap, sinks): each decoder sample over its own encoder
+    sample only, with the option applied (mutants: the eager call lost its query, or its result)."""
+    pairing = _pairing([5, 3, 6], [2, 4, 3])
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 9, 8, generator=generator, dtype=torch.float64) * 3  # scores past a cap of 0.5
+    k, v = (torch.randn(1, 2, 14, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    out = segments.cross_segment_attention(q, k, v, pairing, AttentionOptions(scale=0.4, causal=False, **option))
+    for decoder_start, decoder_length, encoder_start, encoder_length in pairing.pairs:
+        queries, keys = slice(decoder_start, decoder_start + decoder_length), slice(encoder_start,
+                                                                                   encoder_start + encoder_length)
+        expected = _dense_reference(q[0, :, queries], k[0, :, keys], v[0, :, keys], scale=0.4, **option)
+        assert_close(out[0, queries].transpose(0, 1), expected, what=f"decoder sample at {decoder_start}")
+
+
+def test_rows_of_padding_only_give_zeros() -> None:
+    """Self- and cross-attention over rows that are all padding (no sample at all): zeros of the output's shape
+    ``[B, T, H, Dv]`` (mutants: the empty result lost a dimension)."""
+    padding = Boundaries([0, 5, 10], batch_size=2, seq_len=5, device="cpu", padding=[True, True])
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
+    options = AttentionOptions(scale=0.4, causal=True)
+    assert torch.equal(segments.segment_attention(q, k, v, padding, options), torch.zeros(2, 5, 4, 8, dtype=q.dtype))
+    cross = segments.cross_segment_attention(q, k, v, Seq2SeqBoundaries(padding, padding),
+                                             AttentionOptions(scale=0.4, causal=False))
+    assert torch.equal(cross, torch.zeros(2, 5, 4, 8, dtype=q.dtype))
+
+
+def _with_dropout(call, training: bool | None) -> torch.Tensor:
+    """``call(**training)`` from a fixed random state; ``training=None`` leaves the argument out (its default)."""
+    torch.manual_seed(11)
+    return call(**({} if training is None else {"training": training}))
+
+
+def test_attention_drops_weights_in_training_only() -> None:
+    """Dropout in the options applies in training, never by default (an evaluation call): the portable path, the
+    relative-bias path, cross-attention (fused and eager) and the backend entry, each against the same call without
+    dropout (mutants: ``training`` defaulted to True, the bias path dropped weights in evaluation, the eager
+    cross-attention lost ``training``)."""
+    q, k, v, boundaries = _packed_inputs([5, 3, 6], 4, 2, 1, seed=7)
+    bias = torch.randn(1, 4, 6, 6, dtype=torch.float64)
+    pairing = _pairing([5, 3, 6], [6, 3, 5])
+    calls = {
+        "segments": lambda options, **kw: segments.segment_attention(q, k, v, boundaries, options, **kw),
+        "relative bias": lambda options, **kw: segments.segment_attention(q, k, v, boundaries, options, bias=bias,
+                                                                          **kw),
+        "cross": lambda options, **kw: segments.cross_segment_attention(q, k, v, pairing, options, **kw),
+        "cross, softcap": lambda options, **kw: segments.cross_segment_attention(
+            q, k, v, pairing, dataclasses.replace(options, softcap=2.0), **kw),
+        "backend entry": lambda options, **kw: run_packed_attention(q, k, v, boundaries, options, **kw),
+    }
+    for name, call in calls.items():
+        causal = not name.startswith("cross")
+        dropped, kept = AttentionOptions(scale=0.4, causal=causal, dropout=0.5), AttentionOptions(scale=0.4,
+                                                                                                 causal=causal)
+        reference = _with_dropout(lambda **kw: call(kept, **kw), None)
+        assert_close(_with_dropout(lambda **kw: call(dropped, **kw), None), reference, what=f"{name}, by default")
+        assert_close(_with_dropout(lambda **kw: call(dropped, **kw), False), reference, what=f"{name}, evaluation")
+        trained = _with_dropout(lambda **kw: call(dropped, **kw), True)
+        assert (trained - reference).abs().max() > 1e-3, f"{name}: training applied no dropout"
+
+
+# ------------------------------------------------------------------- compiled: the opaque op
+def _compiled(boundaries: Boundaries, options: AttentionOptions, *, training: bool):
+    """``run_packed_attention`` on ``boundaries`` under torch.compile (the path through packfree's opaque op)."""
+    return torch.compile(lambda q, k, v: run_packed_attention(q, k, v, boundaries, options, training=training),
+                         backend="eager")
+
+
+def test_compiled_attention_keeps_every_option() -> None:
+    """Compiled, a window that binds, a softcap and sinks reach the op: each sample equals the naive reference
+    with all three (mutants: the op was handed no window, no sinks, the keys as values, or the rows' shape of the
+    queries' heads)."""
+    lengths = [9, 6, 12]
+    q, k, v, boundaries = _packed_inputs(lengths, 4, 2, 1, seed=3)
+    q, k, v = (t.detach() * 3 for t in (q, k, v))  # logits past the cap
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=torch.float64)
+    settings = dict(scale=0.35, causal=True, window=3, softcap=0.7)
+    torch._dynamo.reset()
+    try:
+        out = _compiled(boundaries, AttentionOptions(**settings, sinks=sinks), training=False)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    for start, length in zip(boundaries.offsets, boundaries.lengths):
+        piece = slice(start, start + length)
+        expected = naive_attention(q[0, :, piece], k[0, :, piece], v[0, :, piece], sinks=sinks, **settings)
+        assert_close(out[0, piece].transpose(0, 1), expected, what=f"compiled sample at {start}")
+
+
+def test_compiled_dropout_is_drawn_afresh_and_replayed_in_backward() -> None:
+    """Compiled attention with dropout: none in evaluation, which leaves torch's random state as it was; in
+    training weights are dropped, with a mask drawn afresh at every call (40 calls, 40 different outputs) that
+    backward's recomputation replays: the output is linear in ``v``, so ``sum(grad_v * v)`` equals ``sum(out * w)``
+    for the loss ``sum(out * w)`` only when backward dropped what the forward dropped (mutants: evaluation drew a
+    seed, training dropped nothing, backward drew a mask of its own, the seed failed to draw or came from 124
+    values)."""
+    q, k, v, boundaries = _packed_inputs([5, 3, 6], 4, 4, 1, seed=8)
+    q, k = q.detach(), k.detach()
+    v = v.detach().requires_grad_()
+    options = AttentionOptions(scale=0.4, causal=True, dropout=0.5)
+    reference = segments.segment_attention(q, k, v, boundaries, AttentionOptions(scale=0.4, causal=True)).detach()
+    torch._dynamo.reset()
+    try:
+        state = torch.get_rng_state()
+        assert_close(_compiled(boundaries, options, training=False)(q, k, v), reference, what="compiled evaluation")
+        assert torch.equal(torch.get_rng_state(), state), "evaluation drew from torch's random generator"
+        trained = _compiled(boundaries, options, training=True)
+        weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        out = trained(q, k, v)
+        assert (out - reference).abs().max() > 1e-3, "training dropped no attention weight"
+        loss = (out * weights).sum()
+        (grad,) = torch.autograd.grad(loss, v)
+        assert_close((grad * v).sum(), loss.detach(), what="backward's dropout against the forward's")
+        with torch.no_grad():
+            outputs = {tuple(trained(q, k, v).flatten()[:64].tolist()) for _ in range(40)}
+        assert len(outputs) == 40, f"40 training calls drew {len(outputs)} different dropout masks"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_attention_under_autocast_runs_in_the_autocast_dtype() -> None:
+    """RoPE leaves q and k in float32 beside a bfloat16 v under autocast; inside the compiled op autocast is off, so
+    packfree casts all three first: the compiled call equals the eager one under autocast (mutant: nothing was cast,
+    and the op got mixed dtypes)."""
+    q, k, v, boundaries = _packed_inputs([5, 3, 6], 4, 2, 1, seed=10)
+    q, k, v = q.detach().float(), k.detach().float(), v.detach().to(torch.bfloat16)
+    options = AttentionOptions(scale=0.4, causal=True)
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager = run_packed_attention(q, k, v, boundaries, options)
+            compiled = _compiled(boundaries, options, training=False)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    assert_close(compiled.float(), eager.float(), atol=0, rtol=0, what="compiled under autocast")

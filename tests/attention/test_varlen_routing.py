@@ -130,6 +130,18 @@ def test_softcap_skips_torch_varlen_and_reaches_flash_attn(monkeypatch, on_cuda)
     assert_close(out, _expected(q, k, v, boundaries, options))
 
 
+def test_dropout_in_training_skips_torch_varlen_and_reaches_flash_attn(monkeypatch, on_cuda) -> None:
+    """torch's varlen kernel takes no dropout: a training call with attention dropout goes to flash-attn, an
+    evaluation call (no dropout applied) still to torch's kernel (mutant: the choice was asked without ``training``,
+    and training calls took torch's kernel)."""
+    _install_torch_varlen(monkeypatch, FakeKernel())
+    _install_flash_attn(monkeypatch, FakeKernel())
+    q, _, v, _ = _inputs()
+    options = AttentionOptions(scale=0.4, causal=True, dropout=0.1)
+    assert interface.choose_backend(q, v, options, training=True) == "flash-attn"
+    assert interface.choose_backend(q, v, options, training=False) == "torch-varlen"
+
+
 def test_kernels_hub_is_used_when_flash_attn_is_missing(monkeypatch, on_cuda) -> None:
     kernel = FakeKernel()
     _install_flash_attn(monkeypatch, kernel)

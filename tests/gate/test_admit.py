@@ -150,3 +150,50 @@ def test_a_config_stock_runs_no_copy_of_is_refused_saying_so(monkeypatch) -> Non
     with pytest.raises(ValueError, match="stock transformers cannot build or run this config itself .*stock cannot "
                                          "build it, as on its tiny copy"):
         RemoteLlama._from_config(config, attn_implementation="packfree")
+
+
+def test_a_config_whose_every_copy_is_over_the_size_limit_is_refused_and_never_built() -> None:
+    """An intermediate size no power of two divides leaves one copy to prove on, the config cut in depth only: two
+    layers of 28.7M parameters, over the proof's limit. It is weighed on the meta device and refused, saying why,
+    before it is ever built (mutant: the size check never ran, and the 57M-parameter copy was built and proved)."""
+    config = LlamaConfig(hidden_size=384, intermediate_size=24579, num_hidden_layers=3, num_attention_heads=6,
+                         num_key_value_heads=2, vocab_size=1000)
+    with pytest.raises(ValueError, match=r"a copy cut in depth and in width by 1: ValueError: 57,516,672 parameters, "
+                                         r"over the proof's 20,000,000"):
+        WideOnlyLlama._from_config(config, attn_implementation="packfree")
+
+
+def _failing_at(monkeypatch: pytest.MonkeyPatch, step: str, copies: int | None = None) -> None:
+    """Make the proof's ``step`` (``build_pair``: building the packfree copy; ``alone_outputs``: stock running its
+    samples) raise a ``RuntimeError`` for the first ``copies`` copies (None: every copy)."""
+    from packfree_plugin.gate import proof
+
+    original, calls = getattr(proof, step), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if copies is None or len(calls) <= copies:
+            raise RuntimeError(f"{step} failed on copy {len(calls)}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(proof, step, failing)
+
+
+@pytest.mark.parametrize("step", ["build_pair", "alone_outputs"])
+def test_copies_that_fail_on_stock_are_each_named_with_their_error(monkeypatch, step: str) -> None:
+    """No copy runs (packfree's copy cannot be built, or stock cannot run the samples) while stock runs the config
+    itself: the refusal names every copy tried with its own error (mutants: the error or the copy's description
+    left out of the list)."""
+    _failing_at(monkeypatch, step)
+    with pytest.raises(ValueError, match=rf"packfree's limitation, not the model's \(a tiny copy: RuntimeError: "
+                                         rf"{step} failed on copy 1; a tiny copy with each layer kind twice: "
+                                         rf"RuntimeError: {step} failed on copy 2"):
+        RemoteLlama._from_config(tiny_config_for("llama"), attn_implementation="packfree")
+
+
+def test_a_copy_stock_cannot_run_gives_way_to_the_next(monkeypatch, proofs) -> None:
+    """Stock fails on the tiny copy's samples only: the proof goes on to the next copy, which is exact, and the
+    class loads (mutant: the first failure ended the search, and the class was refused)."""
+    _failing_at(monkeypatch, "alone_outputs", copies=1)
+    RemoteLlama._from_config(tiny_config_for("llama"), attn_implementation="packfree")
+    assert proofs == ["RemoteLlama"]

@@ -117,6 +117,21 @@ def test_packed_row_with_images_equals_each_sample_alone(model_type: str) -> Non
     assert_close(packed, alone, atol=EXACT, rtol=0, what=f"packed {model_type}")
 
 
+def test_packed_text_only_gemma3_without_an_attention_mask_equals_each_sample_alone() -> None:
+    """Text-only Gemma3 samples packed with position_ids only: its block overlay holds no block (every id -1), so
+    transformers' renumbering of positions changes nothing it reads, and the row runs on the boundaries, each sample
+    as alone (mutant: a union whose overlay adds no block counted as widening, and the row was refused as renumbered)."""
+    case = CASES["gemma3"]
+    model, stock = _pair("gemma3")
+    samples = [case.sample([13, 14, 15, 16], [], [], seed=3), case.sample([5, 6, 7], [], [], seed=4)]
+    batch = VisionPackedCollator(model)(samples)
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "attention_mask")}
+    with torch.no_grad():
+        packed = model(**inputs).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what="packed text-only gemma3")
+
+
 def test_packed_gemma3_image_blocks_renumbered_by_transformers_are_refused() -> None:
     """Packed position_ids without an attention_mask make transformers (>= 5.24) renumber positions per sample
     before it applies Gemma3's image-block overlay on sliding layers, which then reads another sample's block ids
