@@ -42,7 +42,8 @@ _OPS = ["tests/ops/test_conv.py", "tests/ops/test_ssd.py", "tests/ops/test_gated
         "tests/ops/test_selective_scan.py", "tests/ops/test_inplace_refill_ops.py", "tests/test_mutant_gaps.py"]
 _BOUNDARIES = ["tests/test_boundaries.py", "tests/test_batch_reading.py", "tests/test_host_reads.py",
                "tests/e2e/test_user_inputs.py", "tests/attention/test_segments.py", "tests/test_mutant_gaps.py",
-               "tests/test_inplace_refill.py", "tests/ops/test_inplace_refill_ops.py", "tests/models/test_seq2seq.py"]
+               "tests/test_inplace_refill.py", "tests/ops/test_inplace_refill_ops.py", "tests/models/test_seq2seq.py",
+               "tests/models/test_mask_indexing.py"]
 _KEPT = ["tests/test_inplace_refill.py", "tests/ops/test_inplace_refill_ops.py", "tests/test_nothing_on_tensors.py",
          "tests/test_host_reads.py", "tests/test_boundaries.py"]
 TESTS: dict[str, list[str]] = {

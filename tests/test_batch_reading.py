@@ -146,3 +146,17 @@ def test_fields_of_another_length_are_refused_before_use() -> None:
         boundaries_for_call(arange_1d)
     with pytest.raises(ValueError, match=r"position_ids has shape \[9\]"):  # ids that pack cannot be dropped
         boundaries_for_call({**arange_1d, "position_ids": row["position_ids"][0]}, reads_position_ids=False)
+
+
+def test_a_float_padding_mask_reads_as_the_integer_one() -> None:
+    """A 0./1. ``attention_mask`` (as some collators send it) beside packed ids gives the segments and padding spans
+    of the same mask in integers; it is read to the host on its own, apart from the integer inputs (mutant: its host
+    copy was None, and reading the batch raised)."""
+    row = _packed_row()
+    ids = torch.cat([row["input_ids"], torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    positions = torch.cat([row["position_ids"], torch.arange(3)[None]], dim=1)
+    mask = torch.cat([torch.ones(1, sum(LENGTHS)), torch.zeros(1, 3)], dim=1)
+    as_float, as_long = (boundaries_for_call({"input_ids": ids, "position_ids": positions, "attention_mask": m})
+                         for m in (mask, mask.long()))
+    assert as_float.offsets == as_long.offsets == (0, 3, 5, 9, 12)
+    assert as_float.padding == as_long.padding == (False, False, False, True)

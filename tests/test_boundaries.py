@@ -206,3 +206,77 @@ def test_the_repr_counts_segments_and_padding_spans() -> None:
                                               position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
                                               attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))
     assert repr(boundaries) == "Boundaries(B=1, T=5, segments=2, padding_spans=1, max_seqlen=3, device=cpu)"
+
+
+def _refused(**kwargs) -> Boundaries:
+    return Boundaries.from_model_inputs(device="cpu", **kwargs)
+
+
+REFUSALS = {
+    # case: (call, what the refusal must say: the input by name, where it is wrong, the fix)
+    "a row-long sample, rows unpadded": (
+        lambda: Boundaries.from_cu_seqlens(torch.tensor([0, 8, 11, 13]), batch_size=2, seq_len=8),
+        r"got 13 in \[0, 8, 11, 13\].* pass cu_seq_lens_q = cu_seq_lens_k = \[0, 8, 11, 13, 16\]$"),
+    "one row, samples over its end": (
+        lambda: Boundaries.from_cu_seqlens(torch.tensor([0, 5, 9]), batch_size=1, seq_len=8),
+        r"got 9 in \[0, 5, 9\].*: a padding tail is a segment of its own, ending at T=8$"),
+    "more than 12 offsets": (
+        lambda: Boundaries.from_cu_seqlens(torch.arange(0, 15), batch_size=1, seq_len=20),
+        r"got 14 in \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, \.\.\.\]"),
+    "bool position_ids": (lambda: Boundaries.from_position_ids(torch.tensor([[True, False, True]])),
+                          r"^position_ids must be an integer tensor, got dtype torch.bool; pass position_ids.long\(\)"),
+    "bool seq_idx": (lambda: Boundaries.from_seq_idx(torch.tensor([[False, True]])),
+                     r"^seq_idx must be an integer tensor, got dtype torch.bool"),
+    "float seq_idx": (lambda: Boundaries.from_seq_idx(torch.tensor([[0.0, 1.0]])),
+                      r"^seq_idx must be an integer tensor, got dtype torch.float32; pass seq_idx.long\(\)"),
+    "bool cu_seqlens": (lambda: Boundaries.from_cu_seqlens(torch.tensor([False, True]), batch_size=1, seq_len=1),
+                        r"^cu_seqlens must be an integer tensor, got dtype torch.bool"),
+    "float cu_seqlens": (lambda: Boundaries.from_cu_seqlens(torch.tensor([0.0, 4.0]), batch_size=1, seq_len=4),
+                         r"^cu_seqlens must be an integer tensor, got dtype torch.float32; pass cu_seqlens.long\(\)"),
+    "cu_seqlens on another device": (
+        lambda: Boundaries.from_cu_seqlens(torch.tensor([0, 4], device="meta"), batch_size=1, seq_len=4,
+                                           device="cpu"),
+        r"^cu_seqlens is on meta but the inputs are on cpu; move it to cpu"),
+    "cu_seq_lens_k on another device": (
+        lambda: _refused(batch_size=1, seq_len=4, cu_seq_lens_q=torch.tensor([0, 4]),
+                         cu_seq_lens_k=torch.tensor([0, 4], device="meta")),
+        r"^cu_seq_lens_k is on meta but the inputs are on cpu"),
+    "seq_idx on another device": (
+        lambda: _refused(batch_size=1, seq_len=4, seq_idx=torch.zeros(1, 4, dtype=torch.long, device="meta")),
+        r"^seq_idx is on meta but the inputs are on cpu"),
+    "cu_seq_lens_k alone": (lambda: _refused(batch_size=1, seq_len=4, cu_seq_lens_k=torch.tensor([0, 4])),
+                            r"^only cu_seq_lens_k was passed; pass the same tensor as both"),
+    "padding inside a sample": (
+        lambda: _refused(batch_size=1, seq_len=6, position_ids=torch.tensor([[0, 1, 2, 3, 4, 5]]),
+                         attention_mask=torch.tensor([[1, 1, 1, 0, 0, 1]])),
+        r"\(row 0, tokens 3\.\.4\): the position_ids continue across it \(2 at token 2, 5 at token 5\)"),
+    "seq_idx going down": (lambda: Boundaries.from_seq_idx(torch.tensor([[0, 0, 1, 1, 0]])),
+                           r"row 0 goes from 1 to 0 at token 4\."),
+    "1-D seq_idx": (lambda: _refused(batch_size=1, seq_len=4, seq_idx=torch.zeros(4, dtype=torch.long)),
+                    r"^seq_idx has shape \[4\] .*; seq_idx must be \[B, T\]\. A 1-D tensor gives no rows; pass it as "
+                    r"\[1, 4\]"),
+    "position_ids as a list": (lambda: _refused(batch_size=1, seq_len=4, position_ids=[0, 1, 2, 3]),
+                               r"^position_ids has shape list but the tokens .* are \[B=1, T=4\]; position_ids must "
+                               r"be \[B, T\], \[1, T\] or \[R, B, T\] \(MRoPE\)\. Build"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_refusal_names_the_input_where_it_is_wrong_and_the_fix(case: str) -> None:
+    """Each refusal as the user reads it: the input by the name they passed, the place (offsets, row and token) and
+    the layout or call that fixes it (mutants: a name upper-cased or dropped, the hint computed for other rows, the
+    tokens of a hole or a decrease misplaced, a cause of None, a bool tensor taken for integers, a list's shape or
+    the offsets shown raising in the message itself)."""
+    call, message = REFUSALS[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_four_plane_mrope_ids_take_their_text_plane() -> None:
+    """MRoPE ids ``[4, B, T]`` hold text positions in their first plane: samples start where it restarts, though the
+    other planes run on (mutant: four planes were read by the all-zero rule of planes without text, and the row was
+    one sample)."""
+    text = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    running = torch.arange(6)[None]
+    ids = torch.stack([text, running, running, running])
+    assert Boundaries.from_position_ids(ids).offsets == (0, 3, 6)
