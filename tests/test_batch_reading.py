@@ -160,3 +160,35 @@ def test_a_float_padding_mask_reads_as_the_integer_one() -> None:
                          for m in (mask, mask.long()))
     assert as_float.offsets == as_long.offsets == (0, 3, 5, 9, 12)
     assert as_float.padding == as_long.padding == (False, False, False, True)
+
+
+def test_a_cache_holds_tokens_past_a_stateless_layer_and_unknown_caches_count_as_filled() -> None:
+    """A cache whose first layer stores nothing (transformers' ``DummyLayer``, a hybrid's MLP-only layer) and whose
+    next one holds tokens is filled; a cache object packfree does not know is filled unless its ``get_seq_length``
+    says 0, and then it is empty (mutants: the stateless layer ended the walk, an unknown cache without that method
+    raised, a length of 0 counted as tokens)."""
+    from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
+
+    layer = DynamicLayer()
+    layer.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+    assert cache_holds_tokens(Cache(layers=[DummyLayer(), layer]))
+    assert not cache_holds_tokens(Cache(layers=[DummyLayer(), DynamicLayer()]))
+
+    class Counted:
+        def __init__(self, length: int) -> None:
+            self.length = length
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+    assert cache_holds_tokens(object())
+    assert cache_holds_tokens(Counted(3)) and not cache_holds_tokens(Counted(0))
+
+
+@pytest.mark.parametrize("ids", [torch.arange(10).view(2, 5), torch.tensor(0)], ids=["rows of another shape", "0-d"])
+def test_ids_a_model_ignores_are_dropped_when_they_start_no_sample(ids: torch.Tensor) -> None:
+    """A model that takes no ``position_ids`` (Mamba, RWKV) is called with ids of another shape that restart
+    nowhere: they are ignored, as stock ignores them, and the row is one sample (mutants: the ids were regrouped
+    into one row, or a 0-d id into pairs, and reading them raised)."""
+    call = {"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": ids}
+    assert boundaries_for_call(call, reads_position_ids=False).lengths == (4,)

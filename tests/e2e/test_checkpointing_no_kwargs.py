@@ -89,16 +89,16 @@ def _checkpointed(model_type: str, reentrant: bool) -> torch.nn.Module:
     return model
 
 
-def _packed_loss(model: torch.nn.Module) -> torch.Tensor:
+def _packed_loss(model: torch.nn.Module, **extra: object) -> torch.Tensor:
     """The packed row's causal-LM loss in float64 (transformers' own loss casts the logits to float32, and Mamba's
-    and xLSTM's heads return float32 logits)."""
+    and xLSTM's heads return float32 logits); ``extra`` goes to the call with the batch."""
     batch = _packed_batch()
-    logits = model(**batch).logits[0, :-1].double()
+    logits = model(**batch, **extra).logits[0, :-1].double()
     return torch.nn.functional.cross_entropy(logits, batch["labels"][0, 1:], ignore_index=-100)
 
 
-def _compare(model: torch.nn.Module, model_type: str) -> None:
-    loss = _packed_loss(model)
+def _compare(model: torch.nn.Module, model_type: str, **extra: object) -> None:
+    loss = _packed_loss(model, **extra)
     loss.backward()
     _, expected_loss, expected = _alone(model_type)
     assert_close(loss.detach(), expected_loss, atol=TOLERANCE, rtol=0, what=f"{model_type} loss")
@@ -114,3 +114,17 @@ def _compare(model: torch.nn.Module, model_type: str) -> None:
 def test_recomputation_of_layers_without_kwargs_uses_the_first_call_s_boundaries(model_type: str,
                                                                                   reentrant: bool) -> None:
     _compare(_checkpointed(model_type, reentrant), model_type)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2"])
+def test_boundaries_built_ahead_reach_the_recomputation_of_layers_without_kwargs(model_type: str,
+                                                                                 reentrant: bool) -> None:
+    """The caller builds the boundaries and passes ``packfree_boundaries``: no batch is read, so the entry wraps no
+    checkpoint function, and each layer's pre-hook wraps its own at the first call; the recomputation then runs on
+    the first call's boundaries, as each sample alone shows (mutant: the pre-hook looked for the checkpoint function
+    under another name, and the recomputation ran the packed row unprotected)."""
+    from packfree_plugin import Boundaries
+
+    given = Boundaries.from_position_ids(_packed_batch()["position_ids"])
+    _compare(_checkpointed(model_type, reentrant), model_type, packfree_boundaries=given)
