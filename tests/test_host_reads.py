@@ -115,3 +115,30 @@ def test_a_packed_step_reads_once_and_no_more_than_stock_padded(model_type: str)
         assert runs[name][0].by["packfree"] <= 1, f"{name}: {_shown(runs)}"
     assert runs["packed kwargs"][0].total <= max(stock_reads.total, 1), _shown(runs)
     assert runs["packed ids"][0].total <= stock_reads.total + 1, _shown(runs)
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_a_packed_forward_under_inference_mode_reads_once(model_type: str) -> None:
+    """Under ``torch.inference_mode`` (evaluation, a prefill) every tensor is an inference tensor, which has no
+    version counter. What packfree keeps about the forms its boundaries built (``cu_seqlens``, ``seq_idx``) and
+    about the inputs its entry read still holds for the forward: with the collator's keywords and with
+    ``position_ids`` only, it reads once, as in training, and its logits are stock's on each sample alone (planted:
+    a form's kept values never holding for an inference tensor made Qwen3-Next read 3 times from ids only)."""
+    from packfree_plugin.loading.register import register
+
+    register()
+    samples = samples_of([23, 17, 30, 12, 9])
+    packed = PackedCollator()([{"input_ids": sample} for sample in samples])
+    layouts = {"packed kwargs": packed, "packed ids": {name: packed[name] for name in ("input_ids", "position_ids")}}
+    stock = _model(model_type, MODELS[model_type]).eval()
+    model = _model(model_type, "packfree").eval()
+    tolerance = 1e-10 if model_type == "llama" else 1e-6  # stock's scans run in float32 inside a float64 model
+    with torch.inference_mode():
+        alone = [stock(input_ids=torch.tensor([sample]), use_cache=False).logits[0] for sample in samples]
+        for name, batch in layouts.items():
+            model(**_fresh(batch))
+            with HostReads() as reads:
+                logits = model(**_fresh(batch)).logits[0]
+            assert reads.by["packfree"] <= 1, f"{name}: {dict(reads.where)}"
+            for index, (piece, expected) in enumerate(zip(logits.split([len(s) for s in samples]), alone)):
+                assert_close(piece, expected, atol=tolerance, what=f"{name} sample {index}")

@@ -77,17 +77,18 @@ def _kept_of(tensor: torch.Tensor) -> _Kept:
 
 def _stamp(tensor: torch.Tensor, *, own: bool = False) -> tuple:
     """What must stay unchanged for a value kept about ``tensor`` to hold: its version. An inference tensor has no
-    version counter: a form the boundaries built (``own``), which nothing writes, holds for good; one the model entry
+    version counter: a form the boundaries built (``own``, or one whose host copy they kept: :func:`keep_host`),
+    which nothing writes, holds for good; one the model entry
     read holds while its forward runs (:func:`read_to_host` to :func:`close_batch`); any other (an op called
     directly, a tensor read after its forward) holds for no later call, since an in-place write cannot be seen."""
     if not tensor.is_inference():
         return ("version", tensor._version)
-    if own:
+    kept = _kept_for(tensor)
+    host_stamp = None if kept is None or kept.host is None else kept.host[0]
+    if own or host_stamp == ("own",):
         return ("own",)
     batch = ("batch", _open_batch[0])
-    kept = _kept_for(tensor)
-    host = None if kept is None else kept.host
-    return batch if batch[1] is not None and host is not None and host[0] == batch else ("unseen", object())
+    return batch if batch[1] is not None and host_stamp == batch else ("unseen", object())
 
 
 def close_batch() -> None:
@@ -145,9 +146,18 @@ def host_of(tensor: torch.Tensor) -> numpy.ndarray:
     :func:`read_to_host`), else read now (one device-to-host copy) and kept."""
     kept = _kept_host(tensor)
     if kept is None:
-        kept = tensor.detach().to("cpu").numpy()
+        kept = _to_host(tensor)
         _keep(tensor, kept, own=False)
     return kept
+
+
+def _to_host(tensor: torch.Tensor) -> numpy.ndarray:
+    """``tensor``'s values on the host, of its shape; a floating dtype numpy lacks (bfloat16, the float8 formats) as
+    float32, which holds each of its values exactly."""
+    host = tensor.detach().to("cpu")
+    if host.is_floating_point() and host.dtype not in (torch.float16, torch.float32, torch.float64):
+        host = host.to(torch.float32)
+    return host.numpy()
 
 
 def _kept_host(tensor: torch.Tensor) -> numpy.ndarray | None:
@@ -167,12 +177,12 @@ def read_to_host(tensors: Iterable[torch.Tensor | None]) -> None:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in pending.values():
         if tensor.is_floating_point() or tensor.is_complex():
-            _keep(tensor, tensor.detach().to("cpu").numpy(), own=False, batch=True)
+            _keep(tensor, _to_host(tensor), own=False, batch=True)
         else:
             by_device.setdefault(tensor.device, []).append(tensor)
     for group in by_device.values():
         if len(group) == 1:
-            _keep(group[0], group[0].detach().to("cpu").numpy(), own=False, batch=True)
+            _keep(group[0], _to_host(group[0]), own=False, batch=True)
             continue
         buffer = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in group]).to("cpu").numpy()
         for tensor, values in zip(group, numpy.split(buffer, numpy.cumsum([t.numel() for t in group])[:-1])):

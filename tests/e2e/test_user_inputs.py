@@ -217,3 +217,28 @@ def test_a_message_names_an_expected_layout_only_where_it_fits() -> None:
 
     with pytest.raises(ValueError, match=re.escape("rows start at multiples of T=4")):
         Boundaries([0, 9, 10], batch_size=3, seq_len=4, device="cpu")
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_floating_padding_mask_runs_as_stock(model_type: str, dtype: torch.dtype) -> None:
+    """An ``attention_mask`` of 0. and 1. in a floating dtype (a collator that casts the whole batch to the model's
+    dtype): on a right-padded batch packfree gives stock's logits for the same mask, and beside a packed row's ids
+    each sample's logits alone."""
+    model, stock = shared_pair(model_type)
+    tolerance = TOLERANCE.get(model_type, 1e-6)
+    short, long = samples_of([4, 9])
+    ids = torch.tensor([short + [0] * 5, long])
+    mask = torch.tensor([[1] * 4 + [0] * 5, [1] * 9]).to(dtype)
+    with torch.no_grad():
+        expected = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert_close(padded[0, :4], expected[0, :4], atol=tolerance, rtol=0, what="padded sample 0")
+        assert_close(padded[1], expected[1], atol=tolerance, rtol=0, what="padded sample 1")
+        row = _row(LENGTHS)
+        call = {"input_ids": row["input_ids"], "position_ids": row["position_ids"],
+                "attention_mask": torch.ones_like(row["input_ids"], dtype=dtype)}
+        logits = model(**call).logits[0]
+        pieces, _ = _alone(model_type, row, LENGTHS, row["shift_labels"][0])
+    for index, (piece, alone) in enumerate(zip(logits.split(LENGTHS), pieces)):
+        assert_close(piece, alone, atol=tolerance, rtol=0, what=f"{model_type} packed sample {index}")
