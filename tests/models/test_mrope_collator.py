@@ -227,3 +227,16 @@ def test_a_flattened_row_reads_the_host_once() -> None:
     assert reads.by["packfree"] <= 1, dict(reads.where)
     _, expected, _ = _alone(stock, samples)
     assert_close(loss.detach().double(), expected, atol=FLOAT32, rtol=0, what="loss")
+
+
+def test_flat_ids_passed_positionally_are_replaced_in_place() -> None:
+    """``model(input_ids, attention_mask, position_ids, ...)`` by position: the numbered ids take the 2-D ids' place
+    (a keyword beside them would be a second value for ``position_ids``), and every sample equals itself alone."""
+    model, stock = _pair("qwen2_5_vl")
+    samples, batch = _image_row(TYPES["qwen2_5_vl"])
+    tokens, ids = batch.pop("input_ids"), batch.pop("position_ids")
+    del batch["labels"]
+    with torch.no_grad():
+        packed = model(tokens, None, ids, **batch).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what="positional ids")
