@@ -26,6 +26,8 @@ the layer acting on it, which looks the entry up (:func:`entry_of`, :func:`inher
 - ``tensor_mask``, ``slices_mask``: config classes whose model code works on the attention mask as a tensor, or
   indexes it (:mod:`.attention.masks`, :mod:`.forward.unpacked`);
 - ``images_per_row``: config classes whose image tensors are ``[B, images, ...]`` (:mod:`.packing.vision`);
+- ``rope_per_sample``: config classes of multimodal-RoPE models whose packed rows packfree numbers per sample with the
+  model's own ``get_rope_index`` (:mod:`.forward.rope_ids`);
 - ``stores_nothing``: cache layers that hold no state, so say nothing of earlier tokens (:mod:`.forward.reading`).
 
 A new model class, quirk or refusal is one entry here (or one more field on an entry); a new native mixer family is
@@ -113,6 +115,10 @@ class ClassEntry:
     """Config class: its model code indexes the masks it builds (True, or the config switch under which it does)."""
     images_per_row: bool = False
     """Config class: its image tensors are ``[B, images, ...]`` (one entry per row), not ``[images, ...]``."""
+    rope_per_sample: bool = False
+    """Config class of a multimodal-RoPE model whose forward numbers a lone sample with
+    ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw[, second_per_grid_ts])``: a packed
+    row with images and 2-D ids (or boundary kwargs alone) gets each sample's own positions from that function."""
     stores_nothing: bool = False
     """Cache layer that stores nothing (the MLP / MoE-only layers of hybrids such as NemotronH)."""
     notes: str = field(default="", compare=False)
@@ -336,6 +342,9 @@ CLASSES: dict[str, ClassEntry] = _table(
         notes="mask[:, :, slice(-logits_to_keep, None), :] before its KV-shared layers")),
     # ================================================================ how image tensors are laid out
     (("Idefics2Config", "Idefics3Config", "SmolVLMConfig"), ClassEntry(images_per_row=True)),
+    # ================================================================ multimodal RoPE numbered per packed sample
+    (("Qwen2VLConfig", "Qwen2_5_VLConfig", "Qwen3VLConfig", "Qwen3VLMoeConfig", "Qwen3_5Config", "Qwen3_5MoeConfig",
+      "Glm4vConfig"), ClassEntry(rope_per_sample=True, notes="compute_3d_position_ids calls get_rope_index alone")),
     # ================================================================ cache layers
     (("DummyLayer",), ClassEntry(stores_nothing=True, notes="transformers.cache_utils, transformers >= 5.2x")),
 )

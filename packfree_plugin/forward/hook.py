@@ -6,8 +6,9 @@ call all run the same steps, in this order:
 
 1. **enter**: :func:`enter_model` reads the batch (or takes the boundaries given or inherited) and pushes
    them, once per forward (a nested model or decoder layer on the same boundaries pushes nothing): the cache
-   switched off for a packed row, the ids injected, the labels checked, seq2seq pairing, the MRoPE refusal, the
-   checks layers above add (:func:`add_read_check`: torch's context parallelism refused);
+   switched off for a packed row, the ids injected (an MRoPE model's packed samples with images numbered each by
+   its own ``get_rope_index``, or refused), the labels checked, seq2seq pairing, the checks layers above add
+   (:func:`add_read_check`: torch's context parallelism refused);
 2. **the steps other layers add**, in the order added (:func:`add_step`): the per-sample decoder inputs of
    :mod:`packfree_plugin.quirks.decoder_inputs`, the sequence-parallel shard of :mod:`packfree_plugin.parallel.setup`;
 3. **the call**: a head's per-sample pooling where one is set (:func:`set_call`,
@@ -54,10 +55,10 @@ from .context import (boundaries_here, current, enter_layer, fits, in_prepared_f
 from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
 from .loss_inputs import keep_loss_inputs, keep_outside_graph, take_loss_weights
 from .reading import boundaries_for_call, tokens_of
-from .rope_ids import check_rope_ids
+from .rope_ids import rope_ids_for_call, rope_reads
 from .encoder_decoder import DECODER_POSITION_IDS, pair_seq2seq, paired_decoder
 from .instance import earlier_forward, install, installed_as, own_forward, uninstall
-from .signature import class_forward_parameters, without_cache
+from .signature import class_forward_parameters, with_argument, without_cache
 
 __all__ = ["ModelForward", "add_read_check", "add_step", "apply_model_hook", "enter_model", "has_entry", "hook_layers",
            "leave_targets_to_a_step", "remove_model_hook", "set_call", "unhook_layers"]
@@ -301,10 +302,11 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     if boundaries is None:
         checks_targets = not seq2seq and not module.__dict__.get(_TARGETS_CHECKED_BY_STEP)
         boundaries = boundaries_for_call(arguments, causal_labels=checks_targets,
-                                         reads_position_ids="position_ids" in parameters.names)
+                                         reads_position_ids="position_ids" in parameters.names,
+                                         also_read=rope_reads(module, arguments))
         if boundaries is not None and outer is None:  # the outermost call's ids are the caller's
             boundaries.callers_position_ids = arguments.get("position_ids")
-    check_rope_ids(module, arguments)  # after the shapes were checked, which reading the boundaries does first
+    rope_ids = rope_ids_for_call(module, arguments, boundaries)  # after the shapes were checked, and the one read
     if seq2seq:
         pair_seq2seq(module, arguments, boundaries, decoder_position_ids)
     if boundaries is not None:
@@ -312,7 +314,9 @@ def _read_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             args, kwargs = without_cache(parameters, args, kwargs)
         if takes_kwargs:
             kwargs["packfree_boundaries"] = boundaries
-        if boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in parameters.names:
+        if rope_ids is not None:  # each packed sample's own multimodal positions, in place of the batch's
+            args, kwargs = with_argument(parameters, args, kwargs, "position_ids", rope_ids)
+        elif boundaries.is_packed and arguments.get("position_ids") is None and "position_ids" in parameters.names:
             # boundaries from cu_seq_lens / seq_idx alone: positions restart in every sample, as each sample alone
             # would number them (the model would otherwise count 0..T-1 across the row)
             kwargs["position_ids"] = boundaries.position_ids

@@ -5,6 +5,7 @@ nothing here reads the per-thread stack or a model (:mod:`.hook` calls them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,14 +66,15 @@ def packing_signs(arguments: dict[str, Any]) -> list[str]:
     return signs
 
 
-def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True,
-                        reads_position_ids: bool = True) -> Boundaries | None:
+def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True, reads_position_ids: bool = True,
+                        also_read: Sequence[torch.Tensor] = ()) -> Boundaries | None:
     """Boundaries for one forward's bound ``arguments`` (``**kwargs`` merged in), or None when decoding.
     ``causal_labels``: ``labels`` are the row's own tokens shifted inside the loss (a causal LM), so a packed row's
     must be -100 at every sample's first token (``shift_labels``: at every sample's last token); a seq2seq model's
     labels are its decoder's targets instead. ``reads_position_ids``: the model's forward takes ``position_ids``
     (Mamba's and RWKV's ignore them, so ids that cannot describe the batch and pack nothing are dropped, as stock
-    ignores them)."""
+    ignores them). ``also_read``: tensors copied to the host in the same read as the boundary inputs (an MRoPE model's
+    token types and grids, :func:`.rope_ids.rope_reads`)."""
     tokens = tokens_of(arguments)
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         return None
@@ -90,7 +92,7 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
         return None
     arguments = check_shapes(arguments, batch_size, seq_len, reads_position_ids=reads_position_ids)
     attention_mask = arguments.get("attention_mask")
-    _read_batch_to_host(arguments, causal_labels=causal_labels)
+    _read_batch_to_host(arguments, causal_labels=causal_labels, also_read=also_read)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
         packing = packing_signs(arguments)
         if packing:
@@ -122,17 +124,18 @@ def boundaries_for_call(arguments: dict[str, Any], *, causal_labels: bool = True
     return boundaries
 
 
-def _read_batch_to_host(arguments: dict[str, Any], *, causal_labels: bool) -> None:
+def _read_batch_to_host(arguments: dict[str, Any], *, causal_labels: bool, also_read: Sequence[torch.Tensor]) -> None:
     """The forward's one device-to-host read: every boundary input the batch carries (a 2-D ``attention_mask``
     included) and, beside them, the targets :func:`check_labels` reads, copied together (:func:`read_to_host`), so
-    building the boundaries and checking the targets reads nothing more. A batch without boundary inputs reads
-    nothing: it cannot be packed, so its targets need no check."""
+    building the boundaries and checking the targets reads nothing more; ``also_read`` go in the same copy. A batch
+    without boundary inputs reads nothing: it cannot be packed, so its targets need no check."""
     mask = arguments.get("attention_mask")
     sources = [arguments.get(name) for name in (*BOUNDARY_KWARGS, "position_ids")]
     sources.append(mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
     if any(isinstance(source, torch.Tensor) for source in sources):
         targets = [arguments.get("shift_labels"), arguments.get("labels")] if causal_labels else []
-        read_to_host([*sources, *(t for t in targets if isinstance(t, torch.Tensor) and not t.is_floating_point())])
+        targets = [t for t in targets if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        read_to_host([*sources, *targets, *also_read])
 
 
 def check_shapes(arguments: dict[str, Any], batch_size: int, seq_len: int, *,

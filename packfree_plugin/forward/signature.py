@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardParameters", "class_forward_parameters", "tensor_leaves", "without_cache"]
+__all__ = ["ForwardParameters", "class_forward_parameters", "tensor_leaves", "with_argument", "without_cache"]
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,23 @@ class ForwardParameters:
         return arguments
 
 
-def without_cache(parameters: ForwardParameters, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """A call's ``args`` (``self`` not among them) and ``kwargs`` with ``use_cache=False``, where the caller passed it
-    (positionally or by keyword); unchanged for a forward with neither a ``use_cache`` parameter nor ``**kwargs``."""
-    if "use_cache" in parameters.names:
-        index = parameters.names.index("use_cache") - 1  # without self
+def with_argument(parameters: ForwardParameters, args: tuple, kwargs: dict[str, Any], name: str,
+                  value: Any) -> tuple[tuple, dict[str, Any]]:
+    """A call's ``args`` (``self`` not among them) and ``kwargs`` with argument ``name`` set to ``value``: in its place
+    where the caller passed it positionally, else by keyword; unchanged for a forward with neither such a parameter
+    nor ``**kwargs``."""
+    if name in parameters.names:
+        index = parameters.names.index(name) - 1  # without self
         if index < len(args):
-            return (*args[:index], False, *args[index + 1:]), kwargs
-    if "use_cache" in parameters.names or parameters.var_keyword is not None:
-        return args, {**kwargs, "use_cache": False}
+            return (*args[:index], value, *args[index + 1:]), kwargs
+    if name in parameters.names or parameters.var_keyword is not None:
+        return args, {**kwargs, name: value}
     return args, kwargs
+
+
+def without_cache(parameters: ForwardParameters, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A call's ``args`` and ``kwargs`` with ``use_cache=False`` (:func:`with_argument`)."""
+    return with_argument(parameters, args, kwargs, "use_cache", False)
 
 
 @cache

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..classes import inherited_entry
 from ..forward.rope_ids import uses_mrope
+from ..forward.rope_samples import lay_out_positions, rope_index_of, sample_positions
 from .rows import PackedCollator, pack_best_fit_decreasing
 
 __all__ = ["VisionPackedCollator"]
@@ -86,11 +87,10 @@ class VisionPackedCollator:
     ) -> None:
         config = getattr(model, "config", None)
         if rope_index is None and config is not None and uses_mrope(config):
-            owner = next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
-            if owner is None:
+            rope_index = rope_index_of(model)
+            if rope_index is None:
                 raise ValueError(f"{type(model).__name__} uses multimodal RoPE but has no get_rope_index; pass "
                                  "rope_index=")
-            rope_index = owner.get_rope_index
         self.rope_index = rope_index
         if images_per_row is None:
             images_per_row = inherited_entry(config).images_per_row
@@ -163,23 +163,14 @@ class VisionPackedCollator:
             pieces = [self._sample_positions(samples[i]) for i in row]
             used = sum(piece.shape[-1] for piece in pieces)
             per_row.append(pieces + [torch.arange(row_len - used)])
-        planes = {piece.shape[0] for pieces in per_row for piece in pieces if piece.ndim == 2} or {3}
-        if len(planes) != 1:
-            raise ValueError(f"get_rope_index returned {sorted(planes)} position planes for samples of one batch")
-        (count,) = planes
-        return torch.stack([torch.cat([piece.expand(count, -1) for piece in pieces], dim=-1) for pieces in per_row],
-                           dim=1)
+        return lay_out_positions(per_row)
 
     def _sample_positions(self, sample: dict[str, Any]) -> torch.Tensor:
         """``[R, T]`` multimodal positions of one sample, numbered as the model numbers it alone."""
         ids = sample["input_ids"]
         markers = sample.get("mm_token_type_ids", torch.zeros_like(ids))
-        extra = {key: sample[key] for key in _ROPE_KEYS if key in sample}
-        positions = self.rope_index(input_ids=ids[None], mm_token_type_ids=markers[None], **extra)[0]
-        if positions.ndim != 3 or positions.shape[1] != 1 or positions.shape[2] != len(ids):
-            raise ValueError(f"get_rope_index returned positions of shape {list(positions.shape)} for a sample of "
-                             f"{len(ids)} tokens; expected [R, 1, {len(ids)}]")
-        return positions[:, 0].to(torch.int64)
+        return sample_positions(self.rope_index, ids, markers, **{key: sample[key] for key in _ROPE_KEYS
+                                                                   if key in sample})
 
     def _images(self, rows: list[list[int]], samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Every image key, its tensors concatenated in sample order (row after row)."""

@@ -1,6 +1,7 @@
 """Vision-language models under packfree, against each sample alone on stock sdpa in float64: unpacked calls
 with images, padded batches, generate(), and packed rows with an image per sample (of different sizes where the
-model takes them), text-only samples mixed in; and what is refused because it cannot be exact yet."""
+model takes them), text-only samples mixed in, with explicit multimodal ids, 2-D ids or boundary keywords alone;
+and what is refused because it cannot be exact yet."""
 
 from __future__ import annotations
 
@@ -154,16 +155,21 @@ def test_packed_gemma3_image_blocks_renumbered_by_transformers_are_refused() -> 
 
 
 @pytest.mark.parametrize("model_type", MROPE)
-def test_flat_position_ids_with_images_on_mrope_are_refused(model_type: str) -> None:
-    """The collator's 2-D ids with an image would give every image token the wrong (t, h, w) position, in
-    every sample: refused, with what to pass instead."""
+def test_flat_position_ids_with_images_on_mrope_equal_each_sample_alone(model_type: str) -> None:
+    """2-D ids restarting in every sample (as DataCollatorWithFlattening numbers them) with the collator's images,
+    ``mm_token_type_ids`` and grids: packfree numbers each sample with the model's own get_rope_index, and every
+    sample equals itself alone (before, this was refused: the model would copy the ids into its three planes). More
+    forms and gradients: ``tests/models/test_mrope_collator.py``."""
     case = CASES[model_type]
-    model, _ = _pair(model_type)
-    batch = VisionPackedCollator(model)(_samples(case)[:2])
-    flat = batch["position_ids"][0]  # the text plane: restarts in every sample
+    model, stock = _pair(model_type)
+    samples = _samples(case)
+    batch = VisionPackedCollator(model)(samples)
     inputs = {key: value for key, value in batch.items() if key not in ("labels", "position_ids")}
-    with torch.no_grad(), pytest.raises(ValueError, match=r"2-D position_ids together with images"):
-        model(**inputs, position_ids=flat)
+    with torch.no_grad():
+        flat = torch.cat([torch.arange(sample["input_ids"].shape[1]) for sample in samples])[None]
+        packed = model(**inputs, position_ids=flat).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} with 2-D ids")
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -197,8 +203,9 @@ def _vision_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
 @pytest.mark.parametrize("model_type", MROPE)
 def test_flat_position_ids_with_any_image_signal_on_mrope_are_refused(model_type: str, signal: str) -> None:
     """Precomputed vision outputs (``mm_encoder_outputs``) with 2-D ids were silently wrong (0.44-0.76 off on these
-    tiny models): the refusal keyed on pixel values only. Any sign of images refuses: vision outputs (with or without
-    their grids), a grid alone, or image placeholder tokens in ``input_ids``."""
+    tiny models): the refusal keyed on pixel values only. Any sign of images without the ``mm_token_type_ids`` that
+    place them refuses: vision outputs (with or without their grids), a grid alone, or image placeholder tokens in
+    ``input_ids``."""
     case = CASES[model_type]
     model, _ = _pair(model_type)
     batch = VisionPackedCollator(model)(_samples(case)[:2])
@@ -229,11 +236,12 @@ def test_precomputed_vision_outputs_with_mrope_ids_equal_each_sample_alone(model
 
 @pytest.mark.parametrize("boundary", ["cu_seq_lens", "seq_idx"])
 @pytest.mark.parametrize("model_type", MROPE)
-def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type: str, boundary: str) -> None:
-    """cu_seq_lens / seq_idx with images and no ids: packfree would number each sample 0, 1, ... on every plane
-    (2.7e-3 off on Qwen2-VL before this was refused)."""
+def test_packed_boundaries_without_position_ids_on_mrope_equal_each_sample_alone(model_type: str,
+                                                                                 boundary: str) -> None:
+    """cu_seq_lens / seq_idx with images and no ids: packfree numbers every sample with the model's own
+    get_rope_index (numbering each 0, 1, ... on every plane was 2.7e-3 off on Qwen2-VL, and was refused since)."""
     case = CASES[model_type]
-    model, _ = _pair(model_type)
+    model, stock = _pair(model_type)
     samples = _samples(case)[:2]
     inputs = {key: value for key, value in VisionPackedCollator(model)(samples).items()
               if key not in ("labels", "position_ids")}
@@ -243,8 +251,10 @@ def test_packed_boundaries_without_position_ids_on_mrope_are_refused(model_type:
     else:
         cu = torch.tensor([0, first, total], dtype=torch.int32)
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=total, max_length_k=total)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"packed batch .* without position_ids together with images"):
-        model(**inputs)
+    with torch.no_grad():
+        packed = model(**inputs).logits[0]
+        alone = torch.cat([stock(**sample).logits[0] for sample in samples])
+    assert_close(packed, alone, atol=EXACT, rtol=0, what=f"{model_type} {boundary} without ids")
 
 
 SHARED_PLACEHOLDER = {"glm4v"}

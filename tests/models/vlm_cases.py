@@ -90,14 +90,15 @@ class VLMCase:
     """The processor returns ``second_per_grid_ts`` per video (Qwen2.5-VL), read by ``get_rope_index``."""
 
     def build(self, implementation: str) -> torch.nn.Module:
-        """The tiny model in float64, eval mode, same weights for every implementation (seeded)."""
+        """The tiny model in float64 (MoE experts eager), eval mode, same weights for every implementation (seeded)."""
         import transformers
 
         packfree_plugin.register()
         config = transformers.AutoConfig.for_model(self.model_type, **self.config)
         torch.manual_seed(0)
         cls = getattr(transformers, self.class_name)
-        return cls._from_config(config, attn_implementation=implementation, dtype=torch.float64).eval()
+        return cls._from_config(config, attn_implementation=implementation, dtype=torch.float64,
+                                experts_implementation="eager").eval()  # grouped_mm takes no float64
 
     def sample(self, text_before: list[int], sizes: list[tuple[int, int]], text_after: list[int],
                seed: int) -> dict[str, torch.Tensor]:
@@ -216,3 +217,34 @@ PALIGEMMA = VLMCase(
     250, _square_image(32, 16), ((1, 0),))
 """PaliGemma (prefix-LM: its token_type_ids mark the suffix, not the image), 16 tokens per 32 px image; kept out
 of :data:`CASES`, whose tests mark image tokens."""
+
+
+_QWEN3_TOWER = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+_QWEN_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, eos_token_id=2)
+_GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention",
+                                                                                     "full_attention"])
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_QWEN3_5_ROPE = {**_MROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True, "partial_rotary_factor": 0.5}
+
+MORE_MROPE: dict[str, VLMCase] = {case.model_type: case for case in (
+    VLMCase("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+            dict(text_config={**_TEXT, **_EXPERTS, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
+                 vision_config={**_QWEN3_TOWER, "deepstack_visual_indexes": [0]}, **_QWEN_TOKENS),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True, video_token=251,
+            frames_apart=True),
+    VLMCase("qwen3_5", "Qwen3_5ForConditionalGeneration",
+            dict(text_config={**_TEXT, **_GATED_DELTA, "rope_parameters": _QWEN3_5_ROPE},
+                 vision_config=_QWEN3_TOWER, **_QWEN_TOKENS),
+            250, _grid_image(14), ((2, 2), (4, 4)), (252,), "mm_token_type_ids", mrope=True, video_token=251,
+            frames_apart=True),
+    VLMCase("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration",
+            dict(text_config={**_TEXT, **_GATED_DELTA, **_EXPERTS, "shared_expert_intermediate_size": 32,
+                              "rope_parameters": _QWEN3_5_ROPE},
+                 vision_config=_QWEN3_TOWER, **_QWEN_TOKENS),
+            250, _grid_image(14), ((2, 2), (4, 2)), (252,), "mm_token_type_ids", mrope=True, video_token=251,
+            frames_apart=True),
+)}
+"""Multimodal-RoPE types beyond :data:`CASES` (a MoE text model, Qwen3.5's Gated DeltaNet hybrid), for the tests of
+packed rows numbered per sample (``tests/models/test_mrope_collator.py``)."""
