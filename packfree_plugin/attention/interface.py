@@ -20,7 +20,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..ops import backends, opaque
-from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries, TwoWayBlocks
 from ..classes import entry_of
 from ..forward.context import boundaries_here, current, in_prepared_forward, is_prepared, kept_on
 from ..forward.keywords import BOUNDARY_KWARGS
@@ -28,14 +28,16 @@ from ..ops.opaque import boundary_op
 from .masks import is_per_sample_mask
 from .reference import AttentionOptions, eager_attention
 from .segments import cross_segment_attention, segment_attention
+from .two_way import two_way_attention
 from .varlen import VARLEN_BACKENDS
 
 __all__ = ["choose_backend", "packfree_attention_forward", "run_packed_attention"]
 
 _INERT_TENSOR_KWARGS = frozenset({*BOUNDARY_KWARGS, "position_ids", "cache_position", "num_items_in_batch",
-                                  "encoder_hidden_states", "shift_labels"})
+                                  "encoder_hidden_states", "shift_labels", "labels"})
 """Tensors that reach attention calls through transformers' **kwargs without changing what attention computes
-(``shift_labels``: the loss's targets, which ``...ForCausalLM`` passes down with its other kwargs)."""
+(``shift_labels``: the loss's targets, which ``...ForCausalLM`` passes down with its other kwargs; ``labels``, which
+Gemma 4's ``...ForConditionalGeneration`` passes to its model, and on to every layer)."""
 
 
 def choose_backend(query: torch.Tensor, value: torch.Tensor, options: AttentionOptions, *, training: bool) -> str:
@@ -179,7 +181,7 @@ def packfree_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Boundaries | torch.Tensor | None,
+    attention_mask: Boundaries | TwoWayBlocks | torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -221,6 +223,14 @@ def packfree_attention_forward(
                                                          isinstance(attention_mask, Boundaries)):
         return _packed_seq2seq_attention(module, query, key, value, attention_mask, options, position_bias,
                                          training=training), None
+    if isinstance(attention_mask, TwoWayBlocks):  # causal with two-way blocks inside samples (Gemma 3's images)
+        if attention_mask.boundaries.sequence_shard is not None or torch.compiler.is_compiling():
+            raise ValueError(f"{type(module).__name__}: packfree lays out two-way blocks (image tokens attending "
+                             "both ways) eagerly on one device only; run without torch.compile or sequence "
+                             "parallelism, or pass one sample per row")
+        query, key, value = _autocast(query, key, value)
+        return two_way_attention(query, key, value, attention_mask, options, training=training,
+                                 layer=type(module).__name__), None
     if isinstance(attention_mask, Boundaries):
         if attention_mask.sequence_shard is not None:  # a sequence-parallel shard's: the gathered row's
             attention_mask = attention_mask.sequence_shard.whole_row(query.shape[2])

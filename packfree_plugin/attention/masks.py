@@ -13,26 +13,15 @@ from collections.abc import Callable
 from functools import cache
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from transformers.masking_utils import and_masks, sdpa_mask
 
-from ..boundaries import Boundaries, Seq2SeqBoundaries
+from ..boundaries import Boundaries, Seq2SeqBoundaries, TwoWayBlocks, is_per_sample_mask, mark_per_sample
 from ..classes import inherited_entry, switched_on
 from ..forward.context import boundaries_here
 from ..forward.unpacked import slices_its_mask
+from .two_way import placed_blocks
 
 __all__ = ["is_per_sample_mask", "packfree_attention_mask"]
-
-_PER_SAMPLE_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""The dense masks packfree built for a packed row whose model overlays a pattern (Gemma3's image blocks): stock's
-mask for the row, cut to each sample, which attention applies as it is. Keyed by the mask's identity and holding it
-weakly (nothing is written into the tensor): each entry goes with its mask."""
-
-
-def is_per_sample_mask(mask: object) -> bool:
-    """Whether ``mask`` is a dense mask packfree cut to each sample of a packed row with an overlay."""
-    return isinstance(mask, torch.Tensor) and mask in _PER_SAMPLE_MASKS
-
 
 _ROW_FREE_MASKS = ("and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.", "sliding_window_causal_mask_function.",
@@ -136,12 +125,14 @@ def packfree_attention_mask(
     attention_mask: torch.Tensor | None = None,
     use_vmap: bool = False,
     **kwargs,
-) -> Boundaries | torch.Tensor | None:
+) -> Boundaries | TwoWayBlocks | torch.Tensor | None:
     """transformers' mask-function contract. Returns this forward's boundaries when there are any, for a
     ``mask_function`` whose pattern packfree's attention computes (:func:`_check_pattern`). A mask with an overlay of
     the model's own (``use_vmap``: or/and mask functions; or an ``or_masks`` union such as Gemma3's bidirectional
-    image blocks) is stock's ``sdpa_mask``: for a packed row cut to each sample (dense, O(T^2)), and refused where
-    transformers renumbered positions under the overlay. While compiling (closures cannot be traced, so only a union
+    image blocks) is, on a packed row, the :class:`~packfree_plugin.boundaries.TwoWayBlocks` where it is the causal
+    mask widened by two-way blocks (:func:`~packfree_plugin.attention.two_way.placed_blocks`); any other is stock's
+    ``sdpa_mask`` cut to each sample (dense, O(T^2)), refused where transformers renumbered positions under the
+    overlay. While compiling (closures cannot be traced, so only a union
     at the top is seen) every overlay is refused. A call whose 2-D mask is not the boundaries' padding (a seq2seq
     cross-attention given the encoder's mask) gets stock's mask. A packed seq2seq decoder's cross-attention gets
     the pairing of its samples with the encoder's (:func:`_cross_attention_mask`)."""
@@ -166,7 +157,11 @@ def packfree_attention_mask(
                 "and_mask_function / block_sequence_ids, e.g. Gemma3's bidirectional image tokens), which packfree "
                 "cannot see whole while compiling. Run it without torch.compile, or use attn_implementation='sdpa'"
             )
-        if boundaries.is_packed:  # stock's dense mask, cut to each sample
+        if boundaries.is_packed:
+            blocks = placed_blocks(boundaries, mask_function)
+            if blocks is not None and not _wants_tensor_mask(kwargs.get("config")):
+                return blocks  # causal with two-way blocks, laid out per sample
+            # else stock's dense mask, cut to each sample
             model_type = getattr(kwargs.get("config"), "model_type", "this model")
             unknown = sorted({name for name in _qualnames(mask_function) if not name.startswith(_ROW_FREE_MASKS)})
             if unknown:
@@ -176,11 +171,14 @@ def packfree_attention_mask(
                     "it to each packed sample. Pass one sample per row, or use attn_implementation='sdpa'"
                 )
             if _renumbers_overlay(mask_function):
+                overlays = ", ".join(sorted(set(_qualnames(mask_function))))
                 raise ValueError(
-                    f"{model_type!r} overlays a pattern of its own on the causal mask, and transformers renumbered "
-                    "the packed row's positions per sample before applying it (packed position_ids without an "
-                    "attention_mask), so the pattern reads the wrong tokens. Pass attention_mask (ones, [B, T]) "
-                    "with the packed row, as packfree_plugin.packing.VisionPackedCollator does"
+                    f"{model_type!r} overlays a pattern of its own on the causal mask ({overlays}) that packfree "
+                    "cannot lay out per sample (it is not the causal mask widened by two-way blocks, each one run of "
+                    "its sample), and transformers renumbered the packed row's positions per sample before applying "
+                    "it (packed position_ids without an attention_mask), so the pattern reads the wrong tokens. Pass "
+                    "attention_mask (ones, [B, T]) with the packed row, as "
+                    "packfree_plugin.packing.VisionPackedCollator does"
                 )
             segments = boundaries.seq_idx
 
@@ -194,8 +192,7 @@ def packfree_attention_mask(
                 kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap,
                 **kwargs,
             )
-            _PER_SAMPLE_MASKS[mask] = True
-            return mask
+            return mark_per_sample(mask)
     if slices_its_mask(kwargs.get("config")):
         # a tensor for the model to cut even where stock sdpa would skip it as causal (a cut mask is no longer causal
         # from the top left: stock leaves its cut out when a mask is None, packfree's implementation name does not)

@@ -35,7 +35,8 @@ what packfree keeps about a tensor sits in its own store (:mod:`.store`).
 The package, by job: :mod:`.tiling` (the :class:`Boundaries` object: its offsets validated, its device forms),
 :mod:`.sources` (its constructors, one per source, and the order of precedence), :mod:`.ids` (the position-id rule
 and the per-token shapes), :mod:`.forms` (the builder of each per-token form), :mod:`.store` (host copies and derived
-values of tensors), :mod:`.seq2seq` (a seq2seq forward's two sides), :mod:`.messages` (offsets in refusals).
+values of tensors), :mod:`.seq2seq` (a seq2seq forward's two sides),
+:mod:`.two_way` (blocks attending both ways inside samples), :mod:`.messages` (offsets in refusals).
 """
 
 from .forms import position_ids_of, seq_idx_of
@@ -43,7 +44,8 @@ from .ids import fits_rows, id_starts, shape_disagreement
 from .seq2seq import Seq2SeqBoundaries
 from .store import close_batch, host_of, keep_host, kept_form, memo, read_to_host
 from .tiling import Boundaries
+from .two_way import TwoWayBlocks, is_per_sample_mask, mark_per_sample
 
-__all__ = ["Boundaries", "Seq2SeqBoundaries", "close_batch", "fits_rows", "host_of", "id_starts", "keep_host",
-           "kept_form", "memo", "position_ids_of", "read_to_host", "seq_idx_of", "shape_disagreement"]
-
+__all__ = ["Boundaries", "Seq2SeqBoundaries", "TwoWayBlocks", "close_batch", "fits_rows", "host_of", "id_starts",
+           "is_per_sample_mask", "keep_host", "kept_form", "mark_per_sample", "memo", "position_ids_of", "read_to_host",
+           "seq_idx_of", "shape_disagreement"]

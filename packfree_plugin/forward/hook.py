@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..boundaries import Boundaries, Seq2SeqBoundaries, close_batch
+from ..boundaries import Boundaries, Seq2SeqBoundaries, TwoWayBlocks, close_batch
 from .context import (boundaries_here, current, enter_layer, fits, in_prepared_forward, leave_layer, mark_prepared,
                       pop, push, push_unless_on_top)
 from .keywords import CACHE_ARGUMENTS, PACKFREE_KWARGS
@@ -196,6 +196,10 @@ def enter_model(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     step (:func:`_decode_step`) reads nothing and pushes None."""
     if len(args) <= 1 and not torch.compiler.is_compiling() and _decode_step(args, kwargs):
         return args, kwargs, push_unless_on_top(None)
+    if isinstance(kwargs.get("attention_mask"), TwoWayBlocks):
+        # an outer model's two-way mask handed to its inner model (PaliGemma's to its Gemma), whose mask helpers read
+        # a tensor: its dense form, already cut to each sample, which the inner model passes on as it is
+        kwargs = {**kwargs, "attention_mask": kwargs["attention_mask"].dense_mask()}
     if isinstance(kwargs.get("attention_mask"), Boundaries):
         # an outer model built packfree's mask and hands it to its inner model (PaliGemma to its Gemma): the inner
         # model takes it as its boundaries and makes its own mask from them (transformers' mask helpers read an

@@ -14,8 +14,8 @@ rows the model reads as separate samples:
   image and video grids), concatenated along T (``[3, B, T]``), so image and video tokens keep their (t, h, w)
   positions; otherwise ``[B, T]`` ids restarting at 0 in every sample. Either way packfree reads the boundaries
   from them (a padding span is a segment of its own, and ``attention_mask`` marks it);
-- ``attention_mask`` ``[B, T]`` always, ones where no row is padded: with none, transformers renumbers a packed
-  row's positions per sample under a model's own mask overlay (Gemma3's image blocks), which packfree refuses.
+- ``attention_mask`` ``[B, T]`` always, ones where no row is padded (marking padding spans; Gemma 3's and Gemma 4's
+  image blocks are laid out per sample with or without it).
 
 GLM-4V writes one placeholder for image and video tokens alike, so one call of it takes images or videos, not both
 (stock's own limit): collate its image samples and its video samples into different batches.

@@ -248,3 +248,27 @@ MORE_MROPE: dict[str, VLMCase] = {case.model_type: case for case in (
 )}
 """Multimodal-RoPE types beyond :data:`CASES` (a MoE text model, Qwen3.5's Gated DeltaNet hybrid), for the tests of
 packed rows numbered per sample (``tests/models/test_mrope_collator.py``)."""
+
+
+def _gemma4_image(size: tuple[int, int], generator: torch.Generator) -> Image:
+    """Gemma 4's processor: ``pixel_values [1, patches, 3 * 4 * 4]`` (flattened 4-pixel patches in [0, 1]) with each
+    patch's ``(x, y)`` in ``image_position_ids [1, patches, 2]``; a 4 x 4 grid pooled 2 x 2 gives 4 tokens."""
+    ys, xs = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    pixels = torch.rand(1, 16, 3 * 4 * 4, generator=generator, dtype=torch.float64)
+    return Image({"pixel_values": pixels, "image_position_ids": torch.stack([xs, ys], dim=-1).reshape(1, 16, 2)}, 4)
+
+
+GEMMA4 = VLMCase(
+    "gemma4", "Gemma4ForConditionalGeneration",
+    dict(text_config={**_TEXT, "global_head_dim": 16, "sliding_window": 4, "use_bidirectional_attention": "vision",
+                      "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": VOCAB,
+                      "hidden_size_per_layer_input": 8},
+         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                            position_embedding_size=16),
+         audio_config=None, image_token_id=250, video_token_id=251, boi_token_id=252, eoi_token_id=253,
+         audio_token_id=249, boa_token_id=248, eoa_token_index=247),
+    250, _gemma4_image, ((1, 0),), token_type_key="mm_token_type_ids")
+"""Gemma 4 with ``use_bidirectional_attention="vision"`` (its image tokens attend both ways on sliding layers); kept
+out of :data:`CASES`, whose tests predate it."""
+
