@@ -37,10 +37,7 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_gr
 @cache
 def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(packfree model, stock sdpa model)``, same weights; callers zero the gradients they make."""
-    case = TYPES[model_type]
-    model, stock = case.build("packfree"), case.build("sdpa")
-    stock.load_state_dict(model.state_dict())
-    return model, stock
+    return TYPES[model_type].pair()
 
 
 def _samples(case: VLMCase) -> list[dict[str, torch.Tensor]]:

@@ -23,8 +23,7 @@ GEMMA3 = dataclasses.replace(CASES["gemma3"], opens_image=())
 
 
 def _pair(case: VLMCase) -> tuple[torch.nn.Module, torch.nn.Module]:
-    model, stock = case.build("packfree"), case.build("sdpa")
-    stock.load_state_dict(model.state_dict())
+    model, stock = case.pair()
     return model.train(), stock.train()  # no dropout in these configs; training turns on packfree's backward paths
 
 

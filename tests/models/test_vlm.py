@@ -21,10 +21,7 @@ EXACT = 1e-12
 @cache
 def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(packfree model, stock model)`` with the same weights (built once per module: the tests only run them)."""
-    case = CASES[model_type]
-    model, stock = case.build("packfree"), case.build("sdpa")
-    stock.load_state_dict(model.state_dict())
-    return model, stock
+    return CASES[model_type].pair()
 
 
 def _samples(case: VLMCase) -> list[dict[str, torch.Tensor]]:
@@ -406,8 +403,7 @@ def test_paligemma_packed_prefix_lm_rows_with_images_equal_each_sample_alone() -
     and the suffix (the target, causal) with 1. Packed with an image per sample, every sample's logits equal that
     sample alone on stock, and one unpacked sample equals stock. The tolerance is float32's: Gemma's RMSNorm
     computes in float32 even in a float64 model; a prefix block that crossed samples differs by orders more."""
-    model, stock = PALIGEMMA.build("packfree"), PALIGEMMA.build("sdpa")
-    stock.load_state_dict(model.state_dict())
+    model, stock = PALIGEMMA.pair()
     samples = [PALIGEMMA.sample([5, 6], [(1, 0)], [7, 8, 9], seed=1),
                PALIGEMMA.sample([10], [(1, 0)], [11, 12, 13, 14], seed=2),
                PALIGEMMA.sample([15, 16, 17, 18], [], [], seed=3)]

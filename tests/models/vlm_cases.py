@@ -100,6 +100,13 @@ class VLMCase:
         return cls._from_config(config, attn_implementation=implementation, dtype=torch.float64,
                                 experts_implementation="eager").eval()  # grouped_mm takes no float64
 
+    def pair(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """``(packfree model, stock sdpa model)`` built by :meth:`build`, the stock one given the packfree one's
+        weights."""
+        model, stock = self.build("packfree"), self.build("sdpa")
+        stock.load_state_dict(model.state_dict())
+        return model, stock
+
     def sample(self, text_before: list[int], sizes: list[tuple[int, int]], text_after: list[int],
                seed: int) -> dict[str, torch.Tensor]:
         """One sample as the processor returns it (``[1, T]`` tensors): text, each image's placeholders, text."""

@@ -71,8 +71,7 @@ def test_collated_rows_train_like_each_sample_alone(model_type: str, rows: int, 
     equal each sample alone on stock sdpa. Two rows: the samples spread over both, padded, images row after row.
     Gradient checkpointing (non-reentrant) recomputes the vision tower's layers in backward, outside the forward."""
     case = CASES[model_type]
-    model, stock = case.build("packfree").train(), case.build("sdpa").train()
-    stock.load_state_dict(model.state_dict())
+    model, stock = (twin.train() for twin in case.pair())
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     samples = _samples(case)
@@ -106,8 +105,7 @@ def test_collated_video_rows_train_like_each_sample_alone(model_type: str, rows:
     sample alone on stock. Videos of 1, 2 and 3 temporal patches, an image sample (where the model takes images and
     videos in one call) and a text-only one."""
     case = CASES[model_type]
-    model, stock = case.build("packfree").train(), case.build("sdpa").train()
-    stock.load_state_dict(model.state_dict())
+    model, stock = (twin.train() for twin in case.pair())
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mixed = model_type != "glm4v"  # GLM-4V's images and videos share a placeholder: one call takes one kind
